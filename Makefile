@@ -1,0 +1,47 @@
+# The two commands a newcomer needs are `make dev` and `make test` (see README.md).
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: install lint crd test test-unit dev down control-plane bench
+
+$(BIN)/servedmodel: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/servedmodel
+
+## Build (or reuse from ~/.cache/servedmodel) etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok.
+control-plane:
+	hack/build-control-plane.sh
+
+lint: install
+	$(BIN)/ruff check operator tests bench hack
+	$(BIN)/ruff format --check operator tests bench hack
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+## Regenerate crds/ from the pydantic models.
+crd: install
+	$(BIN)/servedmodel crd > crds/inference.servedmodel.io_servedmodels.yaml
+
+## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.
+test: install control-plane lint
+	$(BIN)/pytest -q -p no:cacheprovider tests
+
+test-unit: install
+	$(BIN)/pytest -q tests/unit tests/golden
+
+## Local control plane + operator + simulated engine + a sample ServedModel; `make down` stops it.
+dev: install control-plane
+	hack/dev.sh up
+
+down:
+	hack/dev.sh down
+
+bench: install
+	$(BIN)/python bench/run_all.py

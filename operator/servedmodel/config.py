@@ -1,0 +1,45 @@
+"""Operator-wide settings, read once from the environment (SERVEDMODEL_*) or CLI flags.
+
+Kept apart from the CR: these are the cluster admin's choices (images, ports, where the probe
+connects), not the model owner's.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+SIMULATOR_IMAGE = "quay.io/servedmodel/simulator:v0.1.0"
+OPERATOR_IMAGE = "quay.io/servedmodel/operator:v0.1.0"
+FIELD_MANAGER = "servedmodel-operator"
+PROBE_FIELD_MANAGER = "servedmodel-probe"
+
+
+class OperatorConfig(BaseSettings):
+    """What the operator needs to know that no ServedModel says."""
+
+    model_config = SettingsConfigDict(env_prefix="SERVEDMODEL_", extra="ignore")
+
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch; empty means the whole cluster."
+    )
+    vllm_image: str = Field(default=VLLM_IMAGE, description="Default engine image for engine.kind=vllm.")
+    simulator_image: str = Field(
+        default=SIMULATOR_IMAGE, description="Default engine image for engine.kind=simulator."
+    )
+    field_manager: str = Field(default=FIELD_MANAGER, description="Server-side apply field manager.")
+    probe_field_manager: str = Field(
+        default=PROBE_FIELD_MANAGER,
+        description="Field manager of the probe's status fields (status.probe and its conditions).",
+    )
+    endpoint_override: str | None = Field(
+        default=None,
+        description=(
+            "Send probes here instead of resolving the engine in-cluster: either one base URL for every "
+            "ServedModel, or 'namespace/name=URL' pairs separated by commas. Used by `make dev` and the "
+            "tests, whose fake (kwok) pods have addresses that exist nowhere."
+        ),
+    )
+    metrics_port: int = Field(default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off.")
+    health_port: int = Field(default=8091, ge=0, le=65535, description="Port of kopf's liveness endpoint; 0 = off.")
