@@ -1,0 +1,340 @@
+"""spec.probe and status.probe: the request-path probe's settings and what it measured.
+
+Latency vocabulary (clients disagree; every field below says which one it uses):
+- TTFT: request sent → first content token received (client) / arrival → first token (server).
+- TPOT: per request, (e2e - TTFT) / (completion_tokens - 1) — vLLM's and `vllm bench serve`'s
+  definition (GuideLLM 0.8 calls this `inter_token_latency_ms`).
+- ITL: every gap between two streamed content chunks, one sample per gap (vLLM's
+  `inter_token_latency_seconds` histogram); the status reports their p50/p95 within one probe.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import ApiModel
+
+DEFAULT_PROBE_PROMPT = (
+    "Repeat these words exactly, separated by spaces: one two three four five six seven eight"
+)
+DEFAULT_PROBE_STOP = ["five"]
+
+CheckResultValue = Literal["Pass", "Fail", "Skipped"]
+ProbeResultValue = Literal["Success", "Failure"]
+
+
+class ProbeMessage(ApiModel):
+    """One chat message of the probe request (OpenAI chat format)."""
+
+    role: Literal["system", "user", "assistant"] = Field(description="Chat role of the message.")
+    content: str = Field(min_length=1, max_length=8192, description="Text of the message.")
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the ServedModel's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name of the Secret.")
+    key: str = Field(min_length=1, max_length=253, description="Key inside the Secret's data.")
+
+
+class PrometheusSource(ApiModel):
+    """Prometheus to query when metricsSource.type is prometheus (e.g. OpenShift's Thanos querier)."""
+
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="Base URL of the Prometheus HTTP API, e.g. https://thanos-querier.openshift-monitoring.svc:9091.",
+    )
+    bearer_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a bearer token (Authorization: Bearer); never logged or written.",
+    )
+    insecure_skip_verify: bool = Field(
+        default=False, description="Skip TLS certificate verification of the Prometheus URL."
+    )
+
+
+class MetricsSource(ApiModel):
+    """Where the probe reads the engine's counters, histograms and scheduler gauges."""
+
+    type: Literal["pods", "prometheus"] = Field(
+        default="pods",
+        description=(
+            "pods: scrape /metrics of every ready engine pod (external mode: the endpoint's /metrics); "
+            "prometheus: query PromQL filtered by model_name and namespace."
+        ),
+    )
+    prometheus: PrometheusSource | None = Field(
+        default=None, description="Prometheus connection; required when type is prometheus."
+    )
+
+
+class ProbeSLO(ApiModel):
+    """Latency objectives; LatencySLOMet is True when the rolling-window p95 of each set one is within it."""
+
+    ttft_ms: float | None = Field(
+        default=None, gt=0, description="Objective for TTFT p95 (request sent → first content token), ms."
+    )
+    tpot_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="Objective for TPOT p95 ((e2e - TTFT)/(completion tokens - 1), vLLM's), ms.",
+    )
+    e2e_ms: float | None = Field(
+        default=None, gt=0, description="Objective for end-to-end p95 (request sent → [DONE]), ms."
+    )
+
+
+class ProbeSpec(ApiModel):
+    """How the operator probes the request path with real chat requests."""
+
+    enabled: bool = Field(default=True, description="Send probe requests; false stops probing.")
+    interval: int = Field(
+        default=60,
+        ge=5,
+        le=86400,
+        description="Seconds between probe cycles (jittered by up to 10% so many models' probes spread out).",
+    )
+    timeout: float = Field(
+        default=30.0, ge=1, le=600, description="Overall limit of one probe cycle's chat request, seconds."
+    )
+    connect_timeout: float = Field(default=5.0, ge=0.1, le=120, description="TCP/TLS connect limit, seconds.")
+    first_byte_timeout: float = Field(
+        default=20.0,
+        ge=0.1,
+        le=600,
+        description="Limit from request sent to response headers, and between streamed chunks, seconds.",
+    )
+    messages: list[ProbeMessage] = Field(
+        default_factory=lambda: [ProbeMessage(role="user", content=DEFAULT_PROBE_PROMPT)],
+        min_length=1,
+        max_length=16,
+        description="Chat messages of the probe request; the default prompt hits the default stop.",
+    )
+    max_tokens: int = Field(
+        default=16,
+        ge=2,
+        le=4096,
+        description="max_completion_tokens of the probe request (at least 2 for a TPOT).",
+    )
+    stop: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PROBE_STOP),
+        max_length=4,
+        description=(
+            "Stop strings of the probe request; the stop check expects finish_reason stop and the "
+            "string absent from the output. Empty skips the stop check."
+        ),
+    )
+    check_limits: bool = Field(
+        default=True,
+        description="Send a prompt longer than max_model_len and expect vLLM's 400 (door validates limits).",
+    )
+    window: int = Field(
+        default=20, ge=1, le=100, description="Number of recent successful probes in the rolling p50/p95."
+    )
+    max_in_flight: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description=(
+            "Probe chat requests sent concurrently per cycle; 1 keeps one probe request in flight per model. "
+            "With more, client latencies are the median over the cycle's requests."
+        ),
+    )
+    metrics_source: MetricsSource = Field(
+        default_factory=MetricsSource,
+        description="Where engine metrics (server phases, scheduler) come from.",
+    )
+    slo: ProbeSLO | None = Field(
+        default=None, description="Latency objectives; when set, the LatencySLOMet condition is maintained."
+    )
+
+
+class ClientLatency(ApiModel):
+    """Latencies measured by the probe client on the wire (monotonic clock), milliseconds."""
+
+    ttft_ms: float | None = Field(
+        default=None, description="TTFT: request sent → first content token received, ms (client side)."
+    )
+    tpot_ms: float | None = Field(
+        default=None,
+        description=(
+            "TPOT, vLLM's definition: (e2e to last token - TTFT) / (completion tokens - 1), ms. "
+            "GuideLLM calls this inter_token_latency."
+        ),
+    )
+    itl_p50_ms: float | None = Field(
+        default=None, description="ITL p50: median gap between consecutive streamed content chunks, ms."
+    )
+    itl_p95_ms: float | None = Field(
+        default=None,
+        description="ITL p95: 95th percentile gap between consecutive streamed content chunks, ms.",
+    )
+    e2e_ms: float | None = Field(default=None, description="End to end: request sent → [DONE] received, ms.")
+    headers_ms: float | None = Field(
+        default=None,
+        description="Request sent → response headers, ms: the door (validate, template, tokenize, admit).",
+    )
+
+
+class ServerLatency(ApiModel):
+    """Server-side phase times from deltas of vLLM's histograms (_sum/_count) around the probe, ms."""
+
+    queue_ms: float | None = Field(
+        default=None, description="Queue: arrival → scheduled (request_queue_time)."
+    )
+    prefill_ms: float | None = Field(
+        default=None, description="Prefill: scheduled → first token (request_prefill_time)."
+    )
+    decode_ms: float | None = Field(
+        default=None, description="Decode: first → last token (request_decode_time)."
+    )
+    inference_ms: float | None = Field(
+        default=None, description="Inference = prefill + decode (request_inference_time)."
+    )
+    ttft_ms: float | None = Field(
+        default=None, description="Server TTFT: arrival → first token (time_to_first_token)."
+    )
+    tpot_ms: float | None = Field(
+        default=None,
+        description="Server TPOT, vLLM's definition (request_time_per_output_token), mean over the window.",
+    )
+    e2e_ms: float | None = Field(default=None, description="Server end to end (e2e_request_latency).")
+    requests: int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests that finished in the probe window (request_success_total delta).",
+    )
+    isolated: bool | None = Field(
+        default=None,
+        description=(
+            "True when the probe's were the only requests finishing in the window; false means the server "
+            "figures are window averages over other traffic too."
+        ),
+    )
+
+
+class SchedulerSnapshot(ApiModel):
+    """vLLM's scheduler gauges at probe time, summed over engine pods (KV cache usage: the maximum)."""
+
+    running: int | None = Field(
+        default=None, ge=0, description="Requests in the running batch (num_requests_running)."
+    )
+    waiting: int | None = Field(
+        default=None, ge=0, description="Requests in the waiting queue (num_requests_waiting)."
+    )
+    kv_cache_usage: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="KV cache usage 0..1 (kv_cache_usage_perc, formerly gpu_cache_usage_perc); highest pod.",
+    )
+
+
+class ProbeUsage(ApiModel):
+    """usage of the probe's chat completion (stream_options.include_usage)."""
+
+    prompt_tokens: int | None = Field(default=None, ge=0, description="usage.prompt_tokens: ingredients in.")
+    completion_tokens: int | None = Field(
+        default=None, ge=0, description="usage.completion_tokens: bites out."
+    )
+    total_tokens: int | None = Field(default=None, ge=0, description="usage.total_tokens.")
+
+
+class ProbeCounters(ApiModel):
+    """The engine's token counters at probe time (summed over pods) and rates since the previous probe."""
+
+    prompt_tokens_total: float | None = Field(default=None, ge=0, description="vllm:prompt_tokens_total.")
+    generation_tokens_total: float | None = Field(
+        default=None, ge=0, description="vllm:generation_tokens_total."
+    )
+    prompt_tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Prefill tokens per second since the previous probe (all traffic)."
+    )
+    generation_tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Generated tokens per second since the previous probe (all traffic)."
+    )
+
+
+class ProbeWindow(ApiModel):
+    """Rolling p50/p95 over the last N successful probes; recent* lists are state that survives restarts."""
+
+    samples: int = Field(default=0, ge=0, description="Number of probes in the window.")
+    ttft_p50_ms: float | None = Field(default=None, description="p50 of client TTFT over the window, ms.")
+    ttft_p95_ms: float | None = Field(default=None, description="p95 of client TTFT over the window, ms.")
+    tpot_p50_ms: float | None = Field(default=None, description="p50 of client TPOT (vLLM's definition), ms.")
+    tpot_p95_ms: float | None = Field(default=None, description="p95 of client TPOT (vLLM's definition), ms.")
+    e2e_p50_ms: float | None = Field(default=None, description="p50 of client end to end, ms.")
+    e2e_p95_ms: float | None = Field(default=None, description="p95 of client end to end, ms.")
+    recent_ttft_ms: list[float] = Field(
+        default_factory=list, max_length=100, description="Client TTFT of the last probes, oldest first, ms."
+    )
+    recent_tpot_ms: list[float] = Field(
+        default_factory=list, max_length=100, description="Client TPOT of the last probes that have one, ms."
+    )
+    recent_e2e_ms: list[float] = Field(
+        default_factory=list, max_length=100, description="Client end to end of the last probes, ms."
+    )
+
+
+class ProbeCheck(ApiModel):
+    """Outcome of one request-path check."""
+
+    result: CheckResultValue = Field(description="Pass, Fail or Skipped.")
+    reason: str = Field(description="CamelCase reason, e.g. RoleMarkersPresent, PromptTokensMismatch.")
+    message: str = Field(default="", description="Human-readable details.")
+
+
+class ProbeChecks(ApiModel):
+    """Request-path checks of the last probe."""
+
+    template: ProbeCheck | None = Field(
+        default=None,
+        description="/tokenize renders the model family's role markers; count = usage.prompt_tokens.",
+    )
+    limits: ProbeCheck | None = Field(
+        default=None, description="A prompt longer than max_model_len gets vLLM's 400 at the door."
+    )
+    stop: ProbeCheck | None = Field(
+        default=None,
+        description="The stop string ends generation: finish_reason stop, string absent from output.",
+    )
+    usage: ProbeCheck | None = Field(
+        default=None,
+        description="usage is present, adds up, and matches the token counters' deltas when isolated.",
+    )
+
+
+class ProbeStatus(ApiModel):
+    """What the last probe cycle measured, plus the rolling window."""
+
+    last_probe_time: str | None = Field(default=None, description="RFC 3339 time the last probe cycle ended.")
+    result: ProbeResultValue | None = Field(default=None, description="Success or Failure of the last probe.")
+    reason: str | None = Field(
+        default=None,
+        description="CamelCase reason, e.g. Serving, ConnectionRefused, DNSFailure, ModelNotServed.",
+    )
+    message: str | None = Field(default=None, description="Human-readable details of the last probe.")
+    endpoint: str | None = Field(default=None, description="Base URL the chat request was sent to.")
+    model: str | None = Field(default=None, description="Served model name probed (from /v1/models).")
+    max_model_len: int | None = Field(default=None, ge=0, description="max_model_len reported by /v1/models.")
+    finish_reason: str | None = Field(
+        default=None, description="finish_reason of the probe's chat completion."
+    )
+    consecutive_failures: int = Field(
+        default=0, ge=0, description="Failed probes in a row; drives the probe's backoff."
+    )
+    metrics_pods: int | None = Field(
+        default=None, ge=0, description="Engine pods (or endpoints) whose metrics were read."
+    )
+    client: ClientLatency | None = Field(default=None, description="Client-side latencies of the last probe.")
+    server: ServerLatency | None = Field(
+        default=None, description="Server-side phase times around the last probe."
+    )
+    scheduler: SchedulerSnapshot | None = Field(default=None, description="Scheduler gauges at probe time.")
+    usage: ProbeUsage | None = Field(default=None, description="Token usage of the probe's chat completion.")
+    counters: ProbeCounters | None = Field(default=None, description="Engine token counters and rates.")
+    window: ProbeWindow | None = Field(default=None, description="Rolling p50/p95 over recent probes.")
+    checks: ProbeChecks | None = Field(default=None, description="Request-path checks of the last probe.")
