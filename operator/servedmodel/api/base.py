@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
 
 API_GROUP = "inference.servedmodel.io"
 API_VERSION = "v1alpha1"
@@ -13,6 +12,12 @@ KIND = "ServedModel"
 PLURAL = "servedmodels"
 SINGULAR = "servedmodel"
 SHORT_NAMES = ["sm"]
+
+
+def to_camel(name: str) -> str:
+    """snake_case → camelCase, leaving digits alone (e2e_ms → e2eMs, not pydantic's e2EMs)."""
+    first, *rest = name.split("_")
+    return first + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
 class ApiModel(BaseModel):
@@ -38,7 +43,9 @@ class Condition(ApiModel):
 
     type: str = Field(description="Condition type, e.g. Ready, Progressing, Degraded, Serving, TemplateOK.")
     status: ConditionStatus = Field(description="True, False or Unknown.")
-    reason: str = Field(description="CamelCase reason for the last transition, e.g. ProgressDeadlineExceeded.")
+    reason: str = Field(
+        description="CamelCase reason for the last transition, e.g. ProgressDeadlineExceeded."
+    )
     message: str = Field(default="", description="Human-readable details.")
     observed_generation: int | None = Field(
         default=None, description="metadata.generation the condition was computed from."

@@ -1,0 +1,63 @@
+"""Names and labels of a ServedModel's children, shared by render (which creates them) and status
+(which writes the scale subresource's label selector).
+
+The Service is `<name>-engine`, never `vllm`: Kubernetes injects `<SERVICE>_PORT=tcp://…` into pods of
+the namespace and vLLM refuses to start when it finds `VLLM_PORT` in that shape. The pod template also
+turns service links off, so no other Service's name can do the same.
+"""
+
+from __future__ import annotations
+
+ENGINE_PORT = 8000
+ENGINE_PORT_NAME = "http"
+MANAGED_BY = "servedmodel-operator"
+PART_OF = "servedmodel"
+ENGINE_LABEL = "inference.servedmodel.io/engine"
+MODEL_LABEL = "inference.servedmodel.io/served-model"
+
+
+def deployment_name(name: str) -> str:
+    """The engine Deployment is named after the ServedModel."""
+    return name
+
+
+def service_name(name: str) -> str:
+    """`<name>-engine`: ends in -engine, so it can never be `vllm`."""
+    return f"{name}-engine"
+
+
+def cache_claim_name(name: str) -> str:
+    """The operator-made weight cache PVC (when spec.cache has no existingClaim)."""
+    return f"{name}-cache"
+
+
+def route_name(name: str) -> str:
+    return name
+
+
+def service_monitor_name(name: str) -> str:
+    return name
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Pod selector: stable across every spec change (a Deployment's selector is immutable)."""
+    return {
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/name": "servedmodel",
+    }
+
+
+def selector_string(name: str) -> str:
+    """selector_labels as the string the scale subresource's labelSelectorPath (.status.selector) wants."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def standard_labels(name: str, engine_kind: str) -> dict[str, str]:
+    """Selector labels plus managed-by, part-of and the engine kind (which may change, so not a selector)."""
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/part-of": PART_OF,
+        ENGINE_LABEL: engine_kind,
+    }
