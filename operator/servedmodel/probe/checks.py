@@ -1,0 +1,163 @@
+"""Pure: the request-path checks (template, limits, stop, usage), each Pass/Fail/Skipped with a reason."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from servedmodel.api.probe import ProbeCheck
+
+from .metrics import WindowDelta
+
+# Chat template families: how a role opens in the rendered prompt ({role} is replaced), and the turn end.
+TEMPLATE_FAMILIES: dict[str, tuple[str, str]] = {
+    "chatml": ("<|im_start|>{role}", "<|im_end|>"),  # Qwen
+    "llama3": ("<|start_header_id|>{role}<|end_header_id|>", "<|eot_id|>"),
+    "granite": ("<|start_of_role|>{role}<|end_of_role|>", "<|end_of_text|>"),
+    "gemma": ("<start_of_turn>{role}", "<end_of_turn>"),
+}
+# Substrings of a model id/path -> family (first match wins).
+FAMILY_HINTS: tuple[tuple[str, str], ...] = (
+    ("qwen", "chatml"),
+    ("llama-3", "llama3"),
+    ("llama3", "llama3"),
+    ("granite", "granite"),
+    ("gemma", "gemma"),
+)
+
+
+def family_of(*names: str | None) -> str | None:
+    """Template family from the served model name or its path (/v1/models `id`, `root`)."""
+    for name in names:
+        low = (name or "").lower()
+        for hint, family in FAMILY_HINTS:
+            if hint in low:
+                return family
+    return None
+
+
+def pass_(reason: str, message: str = "") -> ProbeCheck:
+    return ProbeCheck(result="Pass", reason=reason, message=message)
+
+
+def fail(reason: str, message: str = "") -> ProbeCheck:
+    return ProbeCheck(result="Fail", reason=reason, message=message)
+
+
+def skipped(reason: str, message: str = "") -> ProbeCheck:
+    return ProbeCheck(result="Skipped", reason=reason, message=message)
+
+
+def check_template(
+    family: str | None,
+    rendered: str | None,
+    roles: Sequence[str],
+    tokenize_count: int | None,
+    usage_prompt_tokens: int | None,
+    *,
+    tokenize_error: str | None = None,
+) -> ProbeCheck:
+    """The rendered prompt carries the family's role markers for every message and the generation
+    prompt, and /tokenize's count equals usage.prompt_tokens."""
+    if tokenize_error is not None or tokenize_count is None:
+        return fail("TokenizeFailed", tokenize_error or "/tokenize gave no count")
+    notes: list[str] = []
+    if family is None:
+        notes.append("model family unknown: role markers not checked")
+    elif rendered is None:
+        notes.append("no token strings: role markers not checked")
+    else:
+        opener, closer = TEMPLATE_FAMILIES[family]
+        gemma = family == "gemma"
+        wanted = [opener.format(role="model" if gemma and r == "assistant" else r) for r in roles]
+        wanted.append(opener.format(role="model" if gemma else "assistant"))  # generation prompt
+        wanted.append(closer)
+        missing = [w for w in dict.fromkeys(wanted) if w not in rendered]
+        if missing:
+            return fail(
+                "RoleMarkersMissing",
+                f"{family} template expected; rendered prompt lacks {', '.join(repr(m) for m in missing)}",
+            )
+        notes.append(f"{family} role markers present")
+    if usage_prompt_tokens is None:
+        return pass_("RoleMarkersPresent", "; ".join([*notes, "no usage to compare the token count with"]))
+    if usage_prompt_tokens != tokenize_count:
+        return fail(
+            "PromptTokensMismatch",
+            f"/tokenize counted {tokenize_count} tokens, usage.prompt_tokens is {usage_prompt_tokens}",
+        )
+    return pass_("PromptTokensMatch", "; ".join([*notes, f"{tokenize_count} prompt tokens on both"]))
+
+
+def check_limits(
+    enabled: bool, max_model_len: int | None, status: int | None, message: str, error: str | None = None
+) -> ProbeCheck:
+    """A prompt longer than max_model_len must get vLLM's 400 at the door."""
+    if not enabled:
+        return skipped("Disabled", "spec.probe.checkLimits is false")
+    if max_model_len is None:
+        return skipped("MaxModelLenUnknown", "/v1/models did not report max_model_len")
+    if error is not None or status is None:
+        return fail("LimitRequestFailed", error or "no answer")
+    if status == 400:
+        return pass_("OversizedPromptRejected", f"400: {message[:200]}")
+    if 200 <= status < 300:
+        return fail("LimitNotEnforced", f"a prompt over max_model_len={max_model_len} tokens got {status}")
+    return fail("UnexpectedStatus", f"expected 400, got {status}: {message[:200]}")
+
+
+def check_stop(
+    stop: Sequence[str], content: str, finish_reason: str | None, stop_reason: str | int | None
+) -> ProbeCheck:
+    """finish_reason stop and no stop string in the output."""
+    if not stop:
+        return skipped("NoStopString", "spec.probe.stop is empty")
+    present = [s for s in stop if s in content]
+    if finish_reason == "stop" and not present:
+        how = f"stop_reason {stop_reason!r}" if stop_reason is not None else "end of sequence"
+        return pass_("StoppedAtStop", f"finish_reason stop ({how})")
+    if present:
+        return fail(
+            "StopIgnored",
+            f"stop string {present[0]!r} appears in the output; finish_reason {finish_reason!r}",
+        )
+    return fail("StopNotReached", f"finish_reason {finish_reason!r} before any stop string was generated")
+
+
+def check_usage(
+    usage: Mapping[str, int] | None,
+    content_chunks: int,
+    requests: int,
+    window: WindowDelta | None,
+    isolated: bool | None,
+) -> ProbeCheck:
+    """Usage present and adding up; the counters' deltas equal it when the window is isolated
+    (ingredients in: prompt tokens; bites out: generated tokens), and cover it otherwise."""
+    if usage is None:
+        return fail("UsageMissing", "no usage chunk despite stream_options.include_usage")
+    p, c, t = usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
+    if p is None or c is None or t is None:
+        return fail("UsageIncomplete", f"usage lacks fields: {dict(usage)}")
+    if p + c != t:
+        return fail("UsageInconsistent", f"prompt_tokens {p} + completion_tokens {c} != total_tokens {t}")
+    if c < content_chunks:
+        return fail("UsageInconsistent", f"completion_tokens {c} < {content_chunks} content chunks received")
+    if window is None or window.reset:
+        return pass_("UsageConsistent", "usage adds up; counters not compared (no metrics window)")
+    dp, dg = window.counters.get("prompt_tokens"), window.counters.get("generation_tokens")
+    if dp is None or dg is None:
+        return pass_("UsageConsistent", "usage adds up; token counters not exported")
+    want_p, want_g = p * requests, c * requests
+    if isolated:
+        if round(dp) != want_p or round(dg) != want_g:
+            return fail(
+                "CountersMismatch",
+                f"isolated window: counters moved prompt +{dp:g} generation +{dg:g}, "
+                f"usage says {want_p} and {want_g}",
+            )
+        return pass_("CountersMatch", f"counters moved prompt +{dp:g} generation +{dg:g}, as usage says")
+    if dp < want_p or dg < want_g:
+        return fail(
+            "CountersMismatch",
+            f"counters moved prompt +{dp:g} generation +{dg:g}, less than usage's {want_p} and {want_g}",
+        )
+    return pass_("UsageConsistent", "usage adds up; window shared with other traffic, counters cover it")

@@ -1,0 +1,430 @@
+"""The probe's network side: one probe cycle against one engine, over httpx.
+
+door (GET /health, GET /v1/models) -> template (POST /tokenize) -> metrics before -> streamed chat
+(timed on the monotonic clock) -> metrics after -> limits (oversized prompt) -> checks.
+Every request has explicit connect/first-byte/total limits; failures become a `ProbeFailure` reason in
+the outcome, never an exception out of `run_probe`. The API key goes in a header and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import httpx
+
+from servedmodel.api.probe import ProbeCheck, ProbeSpec
+
+from . import checks as ck
+from . import errors as er
+from .endpoints import ProbeTarget
+from .errors import ProbeFailure
+from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
+from .sse import ClientFigures, SSEDecoder, StreamTiming, client_figures
+
+METRICS_TIMEOUT_S = 5.0
+# After [DONE] the engine may record the request's stats a moment later: re-scrape a few times.
+SETTLE_TRIES = 10
+SETTLE_PAUSE_S = 0.02
+LIMITS_FILLER = " hello"  # one Qwen token per repetition; several characters for the char pre-check
+
+
+class MetricsReader(Protocol):
+    """Where engine figures come from: the pods' /metrics or Prometheus."""
+
+    model: str | None  # series filter; run_probe fills it from /v1/models when unset
+
+    async def snapshot(self) -> MetricsSnapshot: ...
+
+    async def settled(self, before: MetricsSnapshot, requests: int, ended_wall: float) -> MetricsSnapshot:
+        """A snapshot taken after the probe's requests are accounted for (bounded wait)."""
+        ...
+
+
+class PodMetrics:
+    """Scrape /metrics of every given engine base URL (never through the Service: one pod each)."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], model: str | None) -> None:
+        self.client, self.urls, self.model = client, list(urls), model
+
+    async def _one(self, url: str) -> MetricsSnapshot:
+        try:
+            r = await self.client.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            raise er.classify_transport_error(exc, "GET /metrics") from None
+        if r.status_code != 200:
+            raise er.classify_status(r.status_code, r.content, "GET /metrics")
+        try:
+            return parse_metrics(r.text, self.model)
+        except ValueError as exc:
+            raise ProbeFailure(er.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}") from None
+
+    async def snapshot(self) -> MetricsSnapshot:
+        if not self.urls:
+            raise ProbeFailure(er.NO_READY_ENDPOINTS, "no ready engine pod to scrape")
+        snaps = await asyncio.gather(*(self._one(u) for u in self.urls))
+        out = combine(snaps)
+        assert out is not None
+        return out
+
+    async def settled(self, before: MetricsSnapshot, requests: int, ended_wall: float) -> MetricsSnapshot:
+        after = await self.snapshot()
+        for _ in range(SETTLE_TRIES):
+            done = after.counters.get("request_success", 0.0) - before.counters.get("request_success", 0.0)
+            if done >= requests or "request_success" not in after.counters:
+                break
+            await asyncio.sleep(SETTLE_PAUSE_S)
+            after = await self.snapshot()
+        return after
+
+
+@dataclass
+class ProbeOutcome:
+    """Everything one probe cycle measured; `failure` set means Serving=False with its reason."""
+
+    endpoint: str
+    started: datetime
+    ended: datetime | None = None
+    failure: ProbeFailure | None = None
+    model: str | None = None
+    model_root: str | None = None
+    max_model_len: int | None = None
+    health_ms: float | None = None
+    models_ms: float | None = None
+    tokenize_ms: float | None = None
+    tokenize_count: int | None = None
+    rendered: str | None = None
+    tokenize_error: str | None = None
+    timings: list[StreamTiming] = field(default_factory=list)
+    figures: ClientFigures | None = None
+    before: MetricsSnapshot | None = None
+    after: MetricsSnapshot | None = None
+    window: WindowDelta | None = None
+    isolated: bool | None = None
+    metrics_error: str | None = None
+    limits_status: int | None = None
+    checks: dict[str, ProbeCheck] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def timing(self) -> StreamTiming | None:
+        return self.timings[0] if self.timings else None
+
+
+def http_timeout(spec: ProbeSpec) -> httpx.Timeout:
+    """connect, first byte / between chunks (read), write, pool: every one explicit."""
+    return httpx.Timeout(
+        connect=spec.connect_timeout,
+        read=spec.first_byte_timeout,
+        write=spec.first_byte_timeout,
+        pool=spec.connect_timeout,
+    )
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _call(step: str, coro: Awaitable[httpx.Response]) -> httpx.Response:
+    try:
+        return await coro
+    except httpx.TransportError as exc:
+        raise er.classify_transport_error(exc, step) from None
+
+
+def _json(r: httpx.Response, step: str) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{step}: body is not JSON: {r.text[:80]!r}") from None
+
+
+def _ms(t0: int) -> float:
+    return (time.monotonic_ns() - t0) / 1e6
+
+
+async def door(
+    client: httpx.AsyncClient, base: str, model: str | None, api_key: str | None, out: ProbeOutcome
+) -> None:
+    """/health answers 200, /v1/models lists the model; read max_model_len."""
+    t0 = time.monotonic_ns()
+    r = await _call("GET /health", client.get(f"{base}/health"))
+    out.health_ms = _ms(t0)
+    if r.status_code == 503:
+        raise ProbeFailure(er.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
+    if r.status_code != 200 and r.status_code != 404:  # 404: an OpenAI-compatible server without /health
+        raise er.classify_status(r.status_code, r.content, "GET /health")
+    t0 = time.monotonic_ns()
+    r = await _call("GET /v1/models", client.get(f"{base}/v1/models", headers=_auth(api_key)))
+    out.models_ms = _ms(t0)
+    if r.status_code != 200:
+        raise er.classify_status(r.status_code, r.content, "GET /v1/models")
+    doc = _json(r, "GET /v1/models")
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
+        raise ProbeFailure(er.MALFORMED_RESPONSE, "GET /v1/models: no data list of models")
+    ids = [str(m["id"]) for m in data]
+    if not ids:
+        raise ProbeFailure(er.MODEL_NOT_SERVED, "GET /v1/models: no model is served")
+    chosen = model if model is not None else ids[0]
+    if chosen not in ids:
+        raise ProbeFailure(er.MODEL_NOT_SERVED, f"model {chosen!r} is not listed; served: {', '.join(ids)}")
+    entry = data[ids.index(chosen)]
+    out.model = chosen
+    out.model_root = str(entry.get("root")) if entry.get("root") else None
+    mml = entry.get("max_model_len")
+    out.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) else None
+
+
+async def tokenize(
+    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+) -> None:
+    """Count and render the probe's messages as the engine's chat template does. HTTP/JSON trouble only
+    fails the template check; a transport error fails the probe."""
+    body = {
+        "model": out.model,
+        "messages": [m.model_dump() for m in spec.messages],
+        "add_generation_prompt": True,
+        "return_token_strs": True,
+    }
+    t0 = time.monotonic_ns()
+    r = await _call("POST /tokenize", client.post(f"{base}/tokenize", json=body, headers=_auth(api_key)))
+    out.tokenize_ms = _ms(t0)
+    if r.status_code != 200:
+        out.tokenize_error = f"POST /tokenize: HTTP {r.status_code}: {er.error_message_of(r.content)}"
+        return
+    try:
+        doc = r.json()
+        count = doc["count"]
+        strs = doc.get("token_strs")
+    except (ValueError, KeyError, TypeError):
+        out.tokenize_error = f"POST /tokenize: malformed answer {r.text[:80]!r}"
+        return
+    if not isinstance(count, int):
+        out.tokenize_error = "POST /tokenize: count is not an integer"
+        return
+    out.tokenize_count = count
+    if isinstance(strs, list) and all(isinstance(s, str) for s in strs):
+        out.rendered = "".join(strs)
+
+
+def chat_body(spec: ProbeSpec, model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [m.model_dump() for m in spec.messages],
+        "max_completion_tokens": spec.max_tokens,
+        "max_tokens": spec.max_tokens,  # engines older than max_completion_tokens
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if spec.stop:
+        body["stop"] = list(spec.stop)
+    return body
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    base: str,
+    body: dict[str, Any],
+    api_key: str | None,
+    request_id: str | None = None,
+    clock: Callable[[], int] = time.monotonic_ns,
+) -> StreamTiming:
+    """POST /v1/chat/completions streamed; every SSE event is timestamped when its bytes were read."""
+    step = "POST /v1/chat/completions"
+    headers = {**_auth(api_key), "Accept": "text/event-stream"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    request = client.build_request("POST", f"{base}/v1/chat/completions", json=body, headers=headers)
+    timing = StreamTiming(sent_ns=clock())
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.TransportError as exc:
+        raise er.classify_transport_error(exc, step) from None
+    timing.headers_ns = clock()
+    try:
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            except httpx.TransportError:
+                content = b""
+            raise er.classify_status(response.status_code, content, step)
+        ctype = response.headers.get("content-type", "")
+        if "text/event-stream" not in ctype:
+            raise ProbeFailure(er.MALFORMED_STREAM, f"{step}: content-type {ctype!r}, not an event stream")
+        decoder = SSEDecoder()
+        try:
+            async for chunk in response.aiter_raw():
+                t = clock()
+                for data in decoder.feed(chunk):
+                    timing.on_event(data, t)
+        except httpx.TransportError as exc:
+            raise er.classify_transport_error(exc, step, streaming=True) from None
+        t = clock()
+        for data in decoder.close():
+            timing.on_event(data, t)
+    finally:
+        await response.aclose()
+    if not timing.done:
+        raise ProbeFailure(er.STREAM_CUT, f"{step}: stream ended before [DONE] after {timing.events} events")
+    if not timing.content_ns:
+        raise ProbeFailure(er.NO_CONTENT, f"{step}: stream finished ({timing.finish_reason}) with no content")
+    return timing
+
+
+def _median_figures(figs: list[ClientFigures]) -> ClientFigures:
+    if len(figs) == 1:
+        return figs[0]
+
+    def med(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return statistics.median(vals) if vals else None
+
+    return ClientFigures(
+        headers_ms=med([f.headers_ms for f in figs]),
+        ttft_ms=med([f.ttft_ms for f in figs]),
+        tpot_ms=med([f.tpot_ms for f in figs]),
+        itl_ms=[g for f in figs for g in f.itl_ms],
+        itl_p50_ms=med([f.itl_p50_ms for f in figs]),
+        itl_p95_ms=med([f.itl_p95_ms for f in figs]),
+        e2e_ms=med([f.e2e_ms for f in figs]),
+        completion_tokens=figs[0].completion_tokens,
+    )
+
+
+async def limits_request(
+    client: httpx.AsyncClient, base: str, model: str | None, max_model_len: int, api_key: str | None
+) -> tuple[int, str]:
+    """A prompt of more than max_model_len tokens; vLLM answers 400 at the door before any compute."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": LIMITS_FILLER * (max_model_len + 16)}],
+        "max_completion_tokens": 1,
+        "max_tokens": 1,
+    }
+    r = await _call(
+        "POST /v1/chat/completions (oversized)",
+        client.post(f"{base}/v1/chat/completions", json=body, headers=_auth(api_key)),
+    )
+    return r.status_code, er.error_message_of(r.content)
+
+
+async def run_probe(
+    client: httpx.AsyncClient,
+    target: ProbeTarget,
+    spec: ProbeSpec,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    metrics: MetricsReader | None = None,
+) -> ProbeOutcome:
+    """One probe cycle. Never raises for a probe failure (cancellation still propagates)."""
+    out = ProbeOutcome(endpoint=target.base_url, started=datetime.now(UTC))
+    base = target.base_url
+    try:
+        async with asyncio.timeout(spec.timeout):
+            await door(client, base, model, api_key, out)
+            await tokenize(client, base, spec, api_key, out)
+            if metrics is not None:
+                if metrics.model is None:
+                    metrics.model = out.model
+                try:
+                    out.before = await metrics.snapshot()
+                except ProbeFailure as f:
+                    out.metrics_error = f.message
+            body = chat_body(spec, out.model)
+            n = spec.max_in_flight
+            timings = await asyncio.gather(
+                *(stream_chat(client, base, body, api_key, f"probe-{uuid.uuid4().hex}") for _ in range(n))
+            )
+            out.timings = list(timings)
+    except ProbeFailure as f:
+        out.failure = f
+    except TimeoutError:
+        out.failure = ProbeFailure(er.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
+    if out.timings:
+        out.figures = _median_figures([client_figures(t) for t in out.timings])
+    # Metrics after the window, even after a failure (the scheduler snapshot is still useful).
+    if metrics is not None and out.before is not None:
+        try:
+            async with asyncio.timeout(min(spec.timeout, 30.0)):
+                out.after = await metrics.settled(out.before, len(out.timings), time.time())
+        except ProbeFailure as f:
+            out.metrics_error = f.message
+        except TimeoutError:
+            out.metrics_error = "metrics after the probe: timed out"
+    if out.before is not None and out.after is not None:
+        out.window = delta(out.before, out.after)
+        done = out.window.counters.get("request_success")
+        if not out.window.reset and done is not None:
+            out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
+    if out.ok:
+        await _limits_check(client, base, spec, api_key, out)
+        _request_checks(spec, out)
+    out.ended = datetime.now(UTC)
+    return out
+
+
+async def _limits_check(
+    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+) -> None:
+    status: int | None = None
+    message, error = "", None
+    if spec.check_limits and out.max_model_len is not None:
+        try:
+            async with asyncio.timeout(spec.timeout):
+                status, message = await limits_request(client, base, out.model, out.max_model_len, api_key)
+        except ProbeFailure as f:
+            error = f.message
+        except TimeoutError:
+            error = f"no answer within {spec.timeout:g} s"
+    out.limits_status = status
+    out.checks["limits"] = ck.check_limits(spec.check_limits, out.max_model_len, status, message, error)
+
+
+def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
+    t = out.timing
+    assert t is not None
+    usage_prompt = t.usage.get("prompt_tokens") if t.usage else None
+    family = ck.family_of(out.model, out.model_root)
+    roles = [m.role for m in spec.messages]
+    out.checks["template"] = ck.check_template(
+        family, out.rendered, roles, out.tokenize_count, usage_prompt, tokenize_error=out.tokenize_error
+    )
+    out.checks["stop"] = ck.check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason)
+    out.checks["usage"] = ck.check_usage(
+        t.usage, len(t.content_ns), len(out.timings), out.window, out.isolated
+    )
+
+
+@contextlib.asynccontextmanager
+async def probe_client(spec: ProbeSpec, *, verify: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """An AsyncClient with the spec's limits; no environment proxies (probes go straight to the engine)."""
+    async with httpx.AsyncClient(timeout=http_timeout(spec), trust_env=False, verify=verify) as client:
+        yield client
+
+
+def dumps_outcome_debug(out: ProbeOutcome) -> str:
+    """Compact one-line summary for logs (no secrets: outcomes never hold the key)."""
+    f = out.figures
+    return json.dumps(
+        {
+            "endpoint": out.endpoint,
+            "model": out.model,
+            "reason": out.failure.reason if out.failure else er.SERVING,
+            "ttft_ms": round(f.ttft_ms, 3) if f and f.ttft_ms is not None else None,
+            "tpot_ms": round(f.tpot_ms, 3) if f and f.tpot_ms is not None else None,
+        }
+    )

@@ -1,0 +1,107 @@
+"""Pure: where a ServedModel's probe connects.
+
+Managed mode: chat through the Service (cluster DNS name), /metrics from every ready engine pod listed in
+the Service's EndpointSlices. External mode: spec.endpoint for both. An operator-wide override
+(SERVEDMODEL_ENDPOINT_OVERRIDE) replaces the resolution; the local control plane's pods are fake and
+their addresses must never be contacted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ENGINE_PORT_NAME = "http"
+ENGINE_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    """Base URLs (no /v1 suffix): `base_url` takes the API requests, `metrics_urls` are scraped."""
+
+    base_url: str
+    metrics_urls: tuple[str, ...]
+    mode: str  # managed | external | override
+
+
+def normalise_base_url(url: str) -> str:
+    """'http://h:8000/v1/' -> 'http://h:8000': /tokenize, /health and /metrics live at the root."""
+    u = url.strip().rstrip("/")
+    if u.endswith("/v1"):
+        u = u[: -len("/v1")]
+    return u
+
+
+def parse_override(value: str | None, namespace: str, name: str) -> str | None:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE: one URL for all, or 'ns/name=URL,ns2/name2=URL2'. None if no match."""
+    if not value or not value.strip():
+        return None
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    if len(entries) == 1 and "=" not in entries[0]:
+        return normalise_base_url(entries[0])
+    for entry in entries:
+        key, sep, url = entry.partition("=")
+        if not sep:
+            continue
+        if key.strip() == f"{namespace}/{name}":
+            return normalise_base_url(url)
+    return None
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def ready_pod_urls(slices: Sequence[Mapping[str, Any]], port_name: str = ENGINE_PORT_NAME) -> list[str]:
+    """Base URLs of the ready endpoints of EndpointSlices (discovery.k8s.io/v1), deduplicated, sorted.
+
+    `conditions.ready` unset counts as ready (the API's documented meaning); terminating endpoints are not.
+    """
+    urls: set[str] = set()
+    for sl in slices:
+        ports = sl.get("ports") or []
+        port: int | None = None
+        for p in ports:
+            if p.get("name") in (port_name, None, "") and isinstance(p.get("port"), int):
+                port = p["port"]
+                if p.get("name") == port_name:
+                    break
+        if port is None:
+            continue
+        for ep in sl.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            if cond.get("ready") is False or cond.get("terminating") is True:
+                continue
+            for addr in ep.get("addresses") or []:
+                urls.add(f"http://{_host(str(addr))}:{port}")
+    return sorted(urls)
+
+
+def service_url(service: Mapping[str, Any], port_name: str = ENGINE_PORT_NAME) -> str:
+    """http://<name>.<namespace>.svc:<port> for the Service's engine port."""
+    meta = service.get("metadata") or {}
+    ports = (service.get("spec") or {}).get("ports") or []
+    port = ENGINE_PORT
+    for p in ports:
+        if p.get("name") == port_name and isinstance(p.get("port"), int):
+            port = p["port"]
+            break
+    else:
+        if ports and isinstance(ports[0].get("port"), int):
+            port = ports[0]["port"]
+    return f"http://{meta['name']}.{meta['namespace']}.svc:{port}"
+
+
+def resolve_managed(service: Mapping[str, Any], slices: Sequence[Mapping[str, Any]]) -> ProbeTarget:
+    return ProbeTarget(service_url(service), tuple(ready_pod_urls(slices)), "managed")
+
+
+def resolve_external(endpoint: str) -> ProbeTarget:
+    base = normalise_base_url(endpoint)
+    return ProbeTarget(base, (base,), "external")
+
+
+def resolve_override(url: str) -> ProbeTarget:
+    base = normalise_base_url(url)
+    return ProbeTarget(base, (base,), "override")

@@ -1,0 +1,127 @@
+"""Why a probe failed: one CamelCase reason per failure mode, and the mapping from httpx's exceptions.
+
+A failed probe is data (Serving=False with its reason), never an exception that escapes the cycle.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+
+import httpx
+
+# Reasons written to status.probe.reason and the Serving condition.
+CONNECTION_REFUSED = "ConnectionRefused"
+DNS_FAILURE = "DNSFailure"
+CONNECT_TIMEOUT = "ConnectTimeout"
+FIRST_BYTE_TIMEOUT = "FirstByteTimeout"
+STREAM_STALLED = "StreamStalled"
+PROBE_TIMEOUT = "ProbeTimeout"
+CONNECTION_FAILED = "ConnectionFailed"
+UNEXPECTED_STATUS = "UnexpectedStatus"
+UNAUTHORIZED = "Unauthorized"
+MODEL_NOT_SERVED = "ModelNotServed"
+MALFORMED_RESPONSE = "MalformedResponse"
+MALFORMED_STREAM = "MalformedStream"
+STREAM_CUT = "StreamCut"
+ENGINE_UNHEALTHY = "EngineUnhealthy"
+NO_READY_ENDPOINTS = "NoReadyEndpoints"
+NO_CONTENT = "NoContent"
+SERVING = "Serving"
+
+ALL_FAILURE_REASONS = (
+    CONNECTION_REFUSED,
+    DNS_FAILURE,
+    CONNECT_TIMEOUT,
+    FIRST_BYTE_TIMEOUT,
+    STREAM_STALLED,
+    PROBE_TIMEOUT,
+    CONNECTION_FAILED,
+    UNEXPECTED_STATUS,
+    UNAUTHORIZED,
+    MODEL_NOT_SERVED,
+    MALFORMED_RESPONSE,
+    MALFORMED_STREAM,
+    STREAM_CUT,
+    ENGINE_UNHEALTHY,
+    NO_READY_ENDPOINTS,
+    NO_CONTENT,
+)
+
+
+class ProbeFailure(Exception):
+    """A probe step failed for a known reason; `message` is safe to write to status (no secrets)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+def _walk(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes/contexts, outermost first (httpx wraps the OS error)."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def classify_transport_error(
+    exc: httpx.TransportError, step: str, *, streaming: bool = False
+) -> ProbeFailure:
+    """Map an httpx transport error to a reason; `step` names the request (e.g. 'GET /v1/models')."""
+    chain = _walk(exc)
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ProbeFailure(CONNECT_TIMEOUT, f"{step}: connect timed out")
+    if isinstance(exc, httpx.ReadTimeout):
+        if streaming:
+            return ProbeFailure(STREAM_STALLED, f"{step}: no chunk within the read limit (stream stalled)")
+        return ProbeFailure(FIRST_BYTE_TIMEOUT, f"{step}: no response within the first-byte limit")
+    if isinstance(exc, httpx.TimeoutException):
+        return ProbeFailure(PROBE_TIMEOUT, f"{step}: {type(exc).__name__}")
+    if isinstance(exc, httpx.ConnectError):
+        for e in chain:
+            if isinstance(e, socket.gaierror):
+                return ProbeFailure(DNS_FAILURE, f"{step}: name resolution failed ({e.strerror or e})")
+            if isinstance(e, ConnectionRefusedError) or (
+                isinstance(e, OSError) and e.errno == errno.ECONNREFUSED
+            ):
+                return ProbeFailure(CONNECTION_REFUSED, f"{step}: connection refused")
+        text = str(exc).lower()
+        if "name or service not known" in text or "name resolution" in text or "nodename" in text:
+            return ProbeFailure(DNS_FAILURE, f"{step}: name resolution failed")
+        if "refused" in text:
+            return ProbeFailure(CONNECTION_REFUSED, f"{step}: connection refused")
+        return ProbeFailure(CONNECTION_FAILED, f"{step}: {exc or type(exc).__name__}")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
+        if streaming:
+            return ProbeFailure(STREAM_CUT, f"{step}: stream cut before [DONE] ({type(exc).__name__})")
+        return ProbeFailure(CONNECTION_FAILED, f"{step}: connection closed ({type(exc).__name__})")
+    return ProbeFailure(CONNECTION_FAILED, f"{step}: {type(exc).__name__}: {exc}")
+
+
+def error_message_of(body: bytes, limit: int = 300) -> str:
+    """vLLM's error.message from a JSON error body, or the start of the body; short enough for status."""
+    try:
+        doc = json.loads(body)
+        msg = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
+        if isinstance(msg, str):
+            return msg[:limit]
+        if isinstance(doc, dict) and isinstance(doc.get("message"), str):
+            return str(doc["message"])[:limit]
+    except (ValueError, AttributeError):
+        pass
+    return body[:limit].decode("utf-8", "replace")
+
+
+def classify_status(status: int, body: bytes, step: str) -> ProbeFailure:
+    """A non-2xx answer: 404 on the model is ModelNotServed, 401/403 Unauthorized, else UnexpectedStatus."""
+    detail = error_message_of(body)
+    if status == 404:
+        return ProbeFailure(MODEL_NOT_SERVED, f"{step}: HTTP 404: {detail}")
+    if status in (401, 403):
+        return ProbeFailure(UNAUTHORIZED, f"{step}: HTTP {status}: {detail}")
+    return ProbeFailure(UNEXPECTED_STATUS, f"{step}: HTTP {status}: {detail}")

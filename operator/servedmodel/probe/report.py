@@ -1,0 +1,286 @@
+"""Pure: a probe outcome + the previous status.probe -> the new status.probe and the probe's conditions
+(Serving, TemplateOK, LatencySLOMet). The previous status is the only state that survives an operator
+restart: the rolling window and the counter rates are carried through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from servedmodel.api.base import Condition
+from servedmodel.api.probe import (
+    ClientLatency,
+    ProbeChecks,
+    ProbeCounters,
+    ProbeSpec,
+    ProbeStatus,
+    ProbeUsage,
+    ProbeWindow,
+    SchedulerSnapshot,
+    ServerLatency,
+)
+
+from . import errors as er
+from .client import ProbeOutcome
+from .metrics import MetricsSnapshot
+from .sse import percentile
+
+SERVING = "Serving"
+TEMPLATE_OK = "TemplateOK"
+LATENCY_SLO_MET = "LatencySLOMet"
+PROBE_CONDITIONS = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET)
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_rfc3339(s: str | None) -> datetime | None:
+    if not s:
+        return None
+    try:
+        return datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _r(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _scheduler(snap: MetricsSnapshot | None) -> SchedulerSnapshot | None:
+    if snap is None or not snap.gauges:
+        return None
+    g = snap.gauges
+    return SchedulerSnapshot(
+        running=round(g["running"]) if "running" in g else None,
+        waiting=round(g["waiting"]) if "waiting" in g else None,
+        kv_cache_usage=_r(min(max(g["kv_cache_usage"], 0.0), 1.0), 4) if "kv_cache_usage" in g else None,
+    )
+
+
+def _counters(
+    snap: MetricsSnapshot | None, now: datetime, previous: ProbeStatus | None
+) -> ProbeCounters | None:
+    if snap is None or not snap.counters:
+        return None
+    p = snap.counters.get("prompt_tokens")
+    g = snap.counters.get("generation_tokens")
+    rp = rg = None
+    prev_t = parse_rfc3339(previous.last_probe_time) if previous else None
+    prev_c = previous.counters if previous else None
+    if prev_t is not None and prev_c is not None:
+        dt = (now - prev_t).total_seconds()
+        if dt > 0:
+            if p is not None and prev_c.prompt_tokens_total is not None and p >= prev_c.prompt_tokens_total:
+                rp = _r((p - prev_c.prompt_tokens_total) / dt)
+            if (
+                g is not None
+                and prev_c.generation_tokens_total is not None
+                and g >= prev_c.generation_tokens_total
+            ):
+                rg = _r((g - prev_c.generation_tokens_total) / dt)
+    return ProbeCounters(
+        prompt_tokens_total=p,
+        generation_tokens_total=g,
+        prompt_tokens_per_second=rp,
+        generation_tokens_per_second=rg,
+    )
+
+
+def _window(previous: ProbeWindow | None, out: ProbeOutcome, size: int) -> ProbeWindow:
+    ttft = list(previous.recent_ttft_ms) if previous else []
+    tpot = list(previous.recent_tpot_ms) if previous else []
+    e2e = list(previous.recent_e2e_ms) if previous else []
+    f = out.figures
+    if out.ok and f is not None and f.ttft_ms is not None and f.e2e_ms is not None:
+        ttft.append(round(f.ttft_ms, 3))
+        e2e.append(round(f.e2e_ms, 3))
+        if f.tpot_ms is not None:
+            tpot.append(round(f.tpot_ms, 3))
+    ttft, tpot, e2e = ttft[-size:], tpot[-size:], e2e[-size:]
+    return ProbeWindow(
+        samples=len(e2e),
+        ttft_p50_ms=_r(percentile(ttft, 50)),
+        ttft_p95_ms=_r(percentile(ttft, 95)),
+        tpot_p50_ms=_r(percentile(tpot, 50)),
+        tpot_p95_ms=_r(percentile(tpot, 95)),
+        e2e_p50_ms=_r(percentile(e2e, 50)),
+        e2e_p95_ms=_r(percentile(e2e, 95)),
+        recent_ttft_ms=ttft,
+        recent_tpot_ms=tpot,
+        recent_e2e_ms=e2e,
+    )
+
+
+def _server(out: ProbeOutcome) -> ServerLatency | None:
+    w = out.window
+    if w is None or w.reset:
+        return None
+    ph = w.phases_ms
+    done = w.counters.get("request_success")
+    return ServerLatency(
+        queue_ms=_r(ph.get("queue")),
+        prefill_ms=_r(ph.get("prefill")),
+        decode_ms=_r(ph.get("decode")),
+        inference_ms=_r(ph.get("inference")),
+        ttft_ms=_r(ph.get("ttft")),
+        tpot_ms=_r(ph.get("tpot")),
+        e2e_ms=_r(ph.get("e2e")),
+        requests=round(done) if done is not None else None,
+        isolated=out.isolated,
+    )
+
+
+def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeChecks) -> str:
+    if out.failure is not None:
+        return out.failure.message[:500]
+    f = out.figures
+    t = out.timing
+    parts: list[str] = []
+    if f is not None and t is not None:
+        tpot = f"{f.tpot_ms:.1f} ms" if f.tpot_ms is not None else "n/a"
+        parts.append(
+            f"TTFT {f.ttft_ms or 0:.1f} ms, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
+            f"{f.completion_tokens} tokens, finish_reason {t.finish_reason}"
+        )
+    if server is not None and server.isolated is False:
+        parts.append(
+            f"server figures are window averages over {server.requests} requests (shared with other traffic)"
+        )
+    if out.metrics_error:
+        parts.append(f"no server figures: {out.metrics_error}")
+    failed = [
+        f"{name} ({c.reason})"
+        for name, c in (
+            ("template", checks.template),
+            ("limits", checks.limits),
+            ("stop", checks.stop),
+            ("usage", checks.usage),
+        )
+        if c is not None and c.result == "Fail"
+    ]
+    if failed:
+        parts.append("checks failed: " + ", ".join(failed))
+    return "; ".join(parts)[:1000]
+
+
+def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | None) -> ProbeStatus:
+    """The new status.probe. On failure the window keeps its samples and latencies are cleared."""
+    now = out.ended or datetime.now(UTC)
+    snap = out.after or out.before
+    f = out.figures if out.ok else None
+    t = out.timing if out.ok else None
+    checks = ProbeChecks(**out.checks) if out.ok else ProbeChecks()
+    server = _server(out) if out.ok else None
+    usage = None
+    if t is not None and t.usage:
+        usage = ProbeUsage(
+            prompt_tokens=t.usage.get("prompt_tokens"),
+            completion_tokens=t.usage.get("completion_tokens"),
+            total_tokens=t.usage.get("total_tokens"),
+        )
+    client = None
+    if f is not None:
+        client = ClientLatency(
+            ttft_ms=_r(f.ttft_ms),
+            tpot_ms=_r(f.tpot_ms),
+            itl_p50_ms=_r(f.itl_p50_ms),
+            itl_p95_ms=_r(f.itl_p95_ms),
+            e2e_ms=_r(f.e2e_ms),
+            headers_ms=_r(f.headers_ms),
+        )
+    return ProbeStatus(
+        last_probe_time=rfc3339(now),
+        result="Success" if out.ok else "Failure",
+        reason=er.SERVING if out.failure is None else out.failure.reason,
+        message=_message(out, server, checks),
+        endpoint=out.endpoint,
+        model=out.model,
+        max_model_len=out.max_model_len,
+        finish_reason=t.finish_reason if t is not None else None,
+        consecutive_failures=0 if out.ok else (previous.consecutive_failures if previous else 0) + 1,
+        metrics_pods=snap.sources if snap is not None else None,
+        client=client,
+        server=server,
+        scheduler=_scheduler(snap),
+        usage=usage,
+        counters=_counters(snap, now, previous),
+        window=_window(previous.window if previous else None, out, spec.window),
+        checks=checks if out.ok else (previous.checks if previous else None),
+    )
+
+
+def slo_verdict(spec: ProbeSpec, window: ProbeWindow | None) -> tuple[str, str, str] | None:
+    """(status, reason, message) of LatencySLOMet from the window's p95s; None when no SLO is set."""
+    slo = spec.slo
+    if slo is None or all(v is None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms)):
+        return None
+    if window is None or window.samples == 0:
+        return ("Unknown", "NoSamples", "no successful probe in the window yet")
+    misses: list[str] = []
+    unknown: list[str] = []
+    for name, target, got in (
+        ("TTFT", slo.ttft_ms, window.ttft_p95_ms),
+        ("TPOT", slo.tpot_ms, window.tpot_p95_ms),
+        ("e2e", slo.e2e_ms, window.e2e_p95_ms),
+    ):
+        if target is None:
+            continue
+        if got is None:
+            unknown.append(name)
+        elif got > target:
+            misses.append(f"{name} p95 {got:.1f} ms > {target:g} ms")
+    if misses:
+        return ("False", "SLOMissed", "; ".join(misses) + f" (over {window.samples} probes)")
+    if unknown:
+        return ("Unknown", "NoSamples", f"no {', '.join(unknown)} samples in the window")
+    return ("True", "SLOMet", f"every objective met at p95 over {window.samples} probes")
+
+
+def probe_conditions(
+    status: ProbeStatus,
+    spec: ProbeSpec,
+    existing: Sequence[Mapping[str, Any]],
+    generation: int | None,
+    now: datetime,
+) -> list[Condition]:
+    """Serving, TemplateOK and (with an SLO) LatencySLOMet. lastTransitionTime moves only when the
+    condition's status changes; TemplateOK keeps its last verdict while probes fail."""
+    by_type = {str(c.get("type")): c for c in existing if isinstance(c, Mapping)}
+    wanted: list[tuple[str, str, str, str]] = []
+    if status.result == "Success":
+        wanted.append((SERVING, "True", "ChatCompletionSucceeded", status.message or ""))
+    else:
+        wanted.append((SERVING, "False", status.reason or "ProbeFailed", status.message or ""))
+    tc = status.checks.template if status.checks else None
+    if tc is not None:
+        ts = {"Pass": "True", "Fail": "False"}.get(tc.result, "Unknown")
+        wanted.append((TEMPLATE_OK, ts, tc.reason, tc.message))
+    elif TEMPLATE_OK in by_type:
+        c = by_type[TEMPLATE_OK]
+        wanted.append((TEMPLATE_OK, str(c.get("status")), str(c.get("reason")), str(c.get("message", ""))))
+    else:
+        wanted.append((TEMPLATE_OK, "Unknown", "NotProbedYet", "no successful probe yet"))
+    slo = slo_verdict(spec, status.window)
+    if slo is not None:
+        wanted.append((LATENCY_SLO_MET, *slo))
+    out: list[Condition] = []
+    for ctype, cstatus, reason, message in wanted:
+        prev = by_type.get(ctype)
+        ltt = rfc3339(now)
+        if prev is not None and prev.get("status") == cstatus and prev.get("lastTransitionTime"):
+            ltt = str(prev["lastTransitionTime"])
+        out.append(
+            Condition(
+                type=ctype,
+                status=cstatus,
+                reason=reason,
+                message=message[:1000],
+                observed_generation=generation,
+                last_transition_time=ltt,
+            )
+        )
+    return out
