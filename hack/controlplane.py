@@ -1,0 +1,629 @@
+#!/usr/bin/env python3
+"""Start and stop a real Kubernetes control plane on loopback: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and kwok (fake nodes, one with 8 `nvidia.com/gpu`).
+
+Binaries come from hack/build-control-plane.sh (cached outside the repository). Each launch gets a
+fresh directory and free loopback ports, so parallel runs don't collide; every process it starts is
+stopped by its pid (SIGTERM, then SIGKILL) from `stop()`, the context manager, atexit, or
+`down --dir DIR` for a detached launch.
+
+Python:  with controlplane.start() as cp: cp.kubectl("get", "nodes")
+Shell:   python hack/controlplane.py up --dir DIR     # prints the kubeconfig, writes DIR/env
+         python hack/controlplane.py down --dir DIR   # stops what DIR/pids records
+
+Only the standard library: it runs before the project's virtualenv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+HACK_DIR = Path(__file__).resolve().parent
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+BINARIES = (*COMPONENTS, "kubectl")
+STAGE_FILES = (
+    "node-initialize.yaml",
+    "node-heartbeat-with-lease.yaml",
+    "pod-ready.yaml",
+    "pod-complete.yaml",
+    "pod-delete.yaml",
+)
+GPU_NODE = "kwok-gpu-0"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Shutdown order: the clients first, storage last.
+STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+REQUEST_TIMEOUT_S = 5.0
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be started; the message names the component and its log."""
+
+
+def versions() -> dict[str, str]:
+    """The pins from hack/versions.env (the one place they are set)."""
+    out: dict[str, str] = {}
+    for line in (HACK_DIR / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def cache_root() -> Path:
+    base = os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel")
+    return Path(base) / f"k8s-{versions()['K8S_VERSION']}"
+
+
+def default_bin_dir() -> Path:
+    return cache_root() / "bin"
+
+
+def stages_dir(bin_dir: Path) -> Path:
+    return bin_dir.parent / "kwok-stages"
+
+
+def missing_binaries(bin_dir: Path | None = None) -> list[str]:
+    """What hack/build-control-plane.sh still has to build (empty when the control plane can start)."""
+    bin_dir = bin_dir or default_bin_dir()
+    missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
+    missing += [f"kwok-stages/{f}" for f in STAGE_FILES if not (stages_dir(bin_dir) / f).is_file()]
+    return missing
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (bound together so the kernel hands out different ones)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# --- process bookkeeping -------------------------------------------------------------------------
+
+# Every process any launch in this interpreter started: (component, pid, executable). The test suite
+# checks at the end that none of them is still alive.
+_STARTED: list[tuple[str, int, str]] = []
+_LIVE: list[ControlPlane] = []
+_LOCK = threading.Lock()
+
+
+def _set_parent_death_signal() -> None:
+    # Runs in the child between fork and exec: if the launching process dies without cleaning up
+    # (SIGKILL, OOM), the kernel kills the component too instead of leaving it orphaned.
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def process_alive(pid: int, exe: str | None = None) -> bool:
+    """True when pid runs (not a zombie) and, if exe is given, is that executable (guards pid reuse)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    if stat.rpartition(")")[2].split()[0] in ("Z", "X"):
+        return False
+    if exe is None:
+        return True
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return argv0 == exe
+
+
+def leftover_processes() -> list[tuple[str, int]]:
+    """Components started by this interpreter that are still running (should be empty after stop)."""
+    with _LOCK:
+        started = list(_STARTED)
+    return [(name, pid) for name, pid, exe in started if process_alive(pid, exe)]
+
+
+def kill_processes(procs: Sequence[tuple[str, int, str]], timeout: float = 10.0) -> None:
+    """SIGTERM each live (name, pid, exe) in order, wait up to timeout, then SIGKILL what is left."""
+    for _, pid, exe in procs:
+        if process_alive(pid, exe):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(process_alive(p, e) for _, p, e in procs):
+        _reap()
+        time.sleep(0.05)
+    for _, pid, exe in procs:
+        if process_alive(pid, exe):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(process_alive(p, e) for _, p, e in procs):
+        _reap()
+        time.sleep(0.05)
+
+
+def _reap() -> None:
+    with _LOCK:
+        live = list(_LIVE)
+    for cp in live:
+        for proc in cp.procs.values():
+            proc.poll()
+
+
+# --- the control plane ---------------------------------------------------------------------------
+
+
+@dataclass
+class ControlPlane:
+    """A running control plane. Attributes are what tests and `make dev` need to talk to it."""
+
+    dir: Path
+    bin_dir: Path
+    server: str
+    token: str
+    ca_file: Path
+    kubeconfig: Path
+    ports: dict[str, int]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    remove_dir: bool = True
+    startup_s: float = 0.0
+
+    @property
+    def log_dir(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """os.environ with KUBECONFIG pointing here (for subprocesses: the operator, kubectl)."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items()}
+
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the built kubectl against this control plane; check=True raises with stderr in the message."""
+        cmd = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
+        if check and res.returncode != 0:
+            raise ControlPlaneError(f"kubectl {' '.join(args)} exited {res.returncode}: {res.stderr.strip()}")
+        return res
+
+    def _call(self, method: str, path: str, body: Any, content_type: str) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S, context=ctx) as resp:
+            raw: bytes = resp.read()
+        return raw
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json"
+    ) -> Any:
+        """One JSON request to the API server as the admin token user; HTTPError propagates."""
+        raw = self._call(method, path, body, content_type)
+        return json.loads(raw) if raw else None
+
+    def get_text(self, path: str) -> str:
+        """GET a plain-text endpoint (/readyz, /livez, /metrics)."""
+        return self._call("GET", path, None, "").decode()
+
+    def log_tail(self, component: str, lines: int = 30) -> str:
+        try:
+            return "\n".join(
+                (self.log_dir / f"{component}.log").read_text(errors="replace").splitlines()[-lines:]
+            )
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0, *, keep_logs: bool = False) -> None:
+        """Stop every component this launch started, by pid; idempotent."""
+        procs = [(n, self.procs[n].pid, str(self.bin_dir / n)) for n in STOP_ORDER if n in self.procs]
+        kill_processes(procs, timeout)
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=1.0)
+        with _LOCK, contextlib.suppress(ValueError):
+            _LIVE.remove(self)
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "pids").unlink()
+        if self.remove_dir:
+            if keep_logs:
+                shutil.rmtree(self.dir / "etcd", ignore_errors=True)
+            else:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ControlPlane:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _stop_all_live() -> None:
+    with _LOCK:
+        live = list(_LIVE)
+    for cp in live:
+        cp.stop()
+
+
+atexit.register(_stop_all_live)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    if shutil.which("openssl") is None:
+        raise ControlPlaneError("openssl is not on PATH: it makes the control plane's CA and keys")
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _make_pki(pki: Path) -> None:
+    """A CA, a serving certificate for 127.0.0.1/localhost, and the service-account signing key.
+    EC P-256 keys: generated in milliseconds, accepted by every component."""
+    pki.mkdir(parents=True)
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
+             "-subj", "/CN=servedmodel-test-ca", cwd=pki)  # fmt: skip
+    _openssl("req", *ec, "-keyout", "apiserver.key", "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver",
+             cwd=pki)  # fmt: skip
+    (pki / "san.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "apiserver.crt", "-days", "3650", "-extfile", "san.ext", cwd=pki)  # fmt: skip
+    _openssl(
+        "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", "sa.key", cwd=pki
+    )
+    _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+
+
+def _kubeconfig(server: str, ca_file: Path, token: str) -> str:
+    # JSON is valid YAML; every client (kubectl, kopf, the kubernetes client) reads it.
+    name = "servedmodel-local"
+    cluster = {"server": server, "certificate-authority": str(ca_file)}
+    context = {"cluster": name, "user": "admin", "namespace": "default"}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": name, "cluster": cluster}],
+        "users": [{"name": "admin", "user": {"token": token}}],
+        "contexts": [{"name": name, "context": context}],
+        "current-context": name,
+    }
+    return json.dumps(config, indent=2)
+
+
+def gpu_node(name: str = GPU_NODE, gpus: int = 8) -> dict[str, Any]:
+    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration)."""
+    capacity = {
+        "cpu": "32",
+        "memory": "256Gi",
+        "pods": "110",
+        "ephemeral-storage": "1Ti",
+        GPU_RESOURCE: str(gpus),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.count": str(gpus),
+            },
+        },
+        "spec": {},
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+class _Launcher:
+    def __init__(self, directory: Path, bin_dir: Path, detach: bool) -> None:
+        self.dir = directory
+        self.bin_dir = bin_dir
+        self.detach = detach
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        (directory / "logs").mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, args: Sequence[str]) -> None:
+        exe = str(self.bin_dir / name)
+        with (self.dir / "logs" / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                [exe, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.dir,
+                # Own session: a Ctrl-C in the terminal reaches the launcher, which stops components in order.
+                start_new_session=True,
+                preexec_fn=None if self.detach else _set_parent_death_signal,
+            )
+        self.procs[name] = proc
+        with _LOCK:
+            _STARTED.append((name, proc.pid, exe))
+        with (self.dir / "pids").open("a") as f:
+            f.write(f"{name} {proc.pid} {exe}\n")
+
+    def check_running(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                log = self.dir / "logs" / f"{name}.log"
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+                raise ControlPlaneError(
+                    f"{name} exited with {proc.returncode} during startup; {log}:\n{tail}"
+                )
+
+
+def _wait(what: str, launcher: _Launcher, deadline: float, probe: Callable[[], bool]) -> None:
+    while True:
+        launcher.check_running()
+        try:
+            if probe():
+                return
+        except (OSError, urllib.error.URLError, ValueError, ssl.SSLError):
+            pass
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(f"timed out waiting for {what}; logs in {launcher.dir / 'logs'}")
+        time.sleep(0.05)
+
+
+def start(
+    directory: Path | None = None,
+    *,
+    bin_dir: Path | None = None,
+    timeout: float = 120.0,
+    detach: bool = False,
+) -> ControlPlane:
+    """Start etcd, kube-apiserver, controller-manager, scheduler and kwok; return once the API server is
+    ready, the GPU node is Ready and the `default` ServiceAccount exists. On failure everything started
+    is stopped and ControlPlaneError names the component and its log.
+
+    directory: where data, certificates, logs, kubeconfig and pids go (default: a new temporary
+    directory, removed by stop()). detach: the components outlive this process (for `up`)."""
+    t0 = time.monotonic()
+    bin_dir = bin_dir or default_bin_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        raise ControlPlaneError(
+            f"missing in {bin_dir}: {', '.join(missing)}; build them with `make control-plane` "
+            "(hack/build-control-plane.sh)"
+        )
+    remove_dir = directory is None
+    if directory is None:
+        directory = Path(tempfile.mkdtemp(prefix="servedmodel-cp-"))
+    else:
+        directory = directory.resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        if (directory / "pids").exists():
+            raise ControlPlaneError(
+                f"{directory} already holds a control plane (pids file); run `down` first"
+            )
+    launcher = _Launcher(directory, bin_dir, detach)
+    etcd_port, etcd_peer, api_port = free_ports(3)
+    token = secrets.token_hex(16)
+    server = f"https://127.0.0.1:{api_port}"
+    pki = directory / "pki"
+    kubeconfig = directory / "kubeconfig"
+    cp = ControlPlane(
+        dir=directory,
+        bin_dir=bin_dir,
+        server=server,
+        token=token,
+        ca_file=pki / "ca.crt",
+        kubeconfig=kubeconfig,
+        ports={"etcd": etcd_port, "etcd-peer": etcd_peer, "kube-apiserver": api_port},
+        procs=launcher.procs,
+        remove_dir=remove_dir,
+    )
+    if not detach:
+        with _LOCK:
+            _LIVE.append(cp)
+    deadline = t0 + timeout
+    try:
+        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        launcher.spawn("etcd", [
+            f"--data-dir={directory / 'etcd'}",
+            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+            "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=1073741824",
+        ])  # fmt: skip
+        _make_pki(pki)  # while etcd starts
+        (pki / "tokens.csv").write_text(f"{token},admin,admin,system:masters\n")
+        kubeconfig.write_text(_kubeconfig(server, cp.ca_file, token))
+        kubeconfig.chmod(0o600)
+
+        def etcd_healthy() -> bool:
+            with urllib.request.urlopen(f"{etcd_url}/health", timeout=1.0) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+
+        _wait("etcd /health", launcher, deadline, etcd_healthy)
+        launcher.spawn("kube-apiserver", [
+            f"--etcd-servers={etcd_url}",
+            f"--cert-dir={pki}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--authorization-mode=RBAC",
+            f"--token-auth-file={pki / 'tokens.csv'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",
+            "--v=1",
+        ])  # fmt: skip
+
+        def api_ready() -> bool:
+            return cp.get_text("/readyz") == "ok"
+
+        _wait("kube-apiserver /readyz", launcher, deadline, api_ready)
+        t_api = time.monotonic() - t0
+        launcher.spawn("kube-controller-manager", [
+            f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+            "--bind-address=127.0.0.1", "--secure-port=0",
+            "--use-service-account-credentials=false", "--v=1",
+        ])  # fmt: skip
+        launcher.spawn("kube-scheduler", [
+            f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--bind-address=127.0.0.1", "--secure-port=0", "--v=1",
+        ])  # fmt: skip
+        stages = stages_dir(bin_dir)
+        launcher.spawn("kwok", [
+            f"--kubeconfig={kubeconfig}", "--manage-all-nodes=true",
+            "--cidr=10.244.0.0/16", "--node-ip=10.240.0.2",
+            *[f"--config={stages / f}" for f in STAGE_FILES],
+        ])  # fmt: skip
+        cp.request("POST", "/api/v1/nodes", gpu_node())
+
+        def node_ready() -> bool:
+            node = cp.request("GET", f"/api/v1/nodes/{GPU_NODE}")
+            conds = node.get("status", {}).get("conditions") or []
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+        def default_sa() -> bool:
+            try:
+                cp.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return False
+                raise
+            return True
+
+        _wait(f"node {GPU_NODE} Ready (kwok)", launcher, deadline, node_ready)
+        _wait("ServiceAccount default/default (controller-manager)", launcher, deadline, default_sa)
+    except BaseException:
+        cp.stop(keep_logs=True)
+        raise
+    cp.startup_s = time.monotonic() - t0
+    info = {
+        "server": server,
+        "kubeconfig": str(kubeconfig),
+        "ca_file": str(cp.ca_file),
+        "log_dir": str(cp.log_dir),
+        "bin_dir": str(bin_dir),
+        "ports": cp.ports,
+        "pids": cp.pids(),
+        "apiserver_ready_s": round(t_api, 2),
+        "startup_s": round(cp.startup_s, 2),
+    }
+    (directory / "controlplane.json").write_text(json.dumps(info, indent=2) + "\n")
+    (directory / "env").write_text(f"export KUBECONFIG={kubeconfig}\nexport PATH={bin_dir}:$PATH\n")
+    return cp
+
+
+def stop_dir(directory: Path, timeout: float = 10.0) -> list[tuple[str, int]]:
+    """Stop the components a (detached) launch recorded in DIR/pids; returns what was running."""
+    pid_file = directory / "pids"
+    if not pid_file.exists():
+        return []
+    procs: list[tuple[str, int, str]] = []
+    for line in pid_file.read_text().splitlines():
+        name, pid, exe = line.split(" ", 2)
+        procs.append((name, int(pid), exe))
+    procs.sort(key=lambda p: STOP_ORDER.index(p[0]) if p[0] in STOP_ORDER else -1)
+    running = [(n, p) for n, p, e in procs if process_alive(p, e)]
+    kill_processes(procs, timeout)
+    pid_file.unlink()
+    shutil.rmtree(directory / "etcd", ignore_errors=True)
+    return running
+
+
+@contextlib.contextmanager
+def running(directory: Path | None = None, **kwargs: Any) -> Iterator[ControlPlane]:
+    cp = start(directory, **kwargs)
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="controlplane.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start detached; print the kubeconfig path; write DIR/env")
+    up.add_argument("--dir", type=Path, required=True, help="state directory (kubeconfig, logs, pids, data)")
+    up.add_argument("--bin-dir", type=Path, default=None, help="built binaries (default: the version cache)")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
+    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
+    down = sub.add_parser("down", help="stop what DIR/pids records")
+    down.add_argument("--dir", type=Path, required=True)
+    sub.add_parser("missing", help="print binaries still to build; exit 1 if any")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "missing":
+        missing = missing_binaries()
+        print("\n".join(missing) if missing else f"all present in {default_bin_dir()}")
+        return 1 if missing else 0
+    if args.cmd == "down":
+        stopped = stop_dir(args.dir)
+        print(f"stopped {', '.join(f'{n} ({p})' for n, p in stopped) or 'nothing (none running)'}")
+        return 0
+    try:
+        cp = start(args.dir, bin_dir=args.bin_dir, timeout=args.timeout, detach=not args.foreground)
+    except ControlPlaneError as e:
+        print(f"control plane failed: {e}", file=sys.stderr)
+        return 1
+    print(f"control plane ready in {cp.startup_s:.1f}s: {cp.server}")
+    print(f"export KUBECONFIG={cp.kubeconfig}")
+    print(f"logs: {cp.log_dir}   stop: python {Path(__file__).name} down --dir {args.dir}")
+    if args.foreground:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            cp.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,134 @@
+"""Suite-wide fixtures: the real Kubernetes control plane (hack/controlplane.py) for `cluster` tests.
+
+One control plane per test session (started on first use), the CRDs from crds/ installed, a fresh
+namespace per test. Binaries are built by `make control-plane`, never here: when they are missing,
+every test marked `cluster` is skipped with the reason. At the end the suite checks that no
+component it started is still running and fails loudly if one is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import sys
+import time
+import urllib.error
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "hack"))
+
+import controlplane  # noqa: E402  (hack/ is tooling, not a package)
+
+CRD_DIR = ROOT / "crds"
+_leftovers_report: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A SIGTERM (CI timeout, `kill`) becomes KeyboardInterrupt so fixture teardown stops the components.
+    def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = controlplane.missing_binaries()
+    if not missing:
+        return
+    reason = (
+        f"control plane not built ({', '.join(missing)} missing in {controlplane.default_bin_dir()}); "
+        "run `make control-plane` (hack/build-control-plane.sh), see docs/control-plane.md"
+    )
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
+    # After the wrapped hooks: pytest's runner tears down session fixtures there, so by now every
+    # component must be gone, in success, failure and interruption alike.
+    yield
+    left = controlplane.leftover_processes()
+    if left:
+        names = ", ".join(f"{n} (pid {p})" for n, p in left)
+        _leftovers_report.append(f"control-plane components still running after the suite: {names}")
+        controlplane.kill_processes(
+            [(n, p, str(controlplane.default_bin_dir() / n)) for n, p in left], timeout=5.0
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _leftovers_report:
+        terminalreporter.write_line(f"ERROR: {line}", red=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def bare_control_plane(request: pytest.FixtureRequest) -> Iterator[controlplane.ControlPlane]:
+    """The session's control plane without the project's CRDs (tests of the control plane itself)."""
+    missing = controlplane.missing_binaries()
+    if missing:
+        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
+    cp = controlplane.start()
+    failed_before = request.session.testsfailed
+    mp = pytest.MonkeyPatch()
+    # In-process clients (kopf's KopfRunner) read KUBECONFIG: never fall back to a real cluster.
+    mp.setenv("KUBECONFIG", str(cp.kubeconfig))
+    try:
+        yield cp
+    finally:
+        mp.undo()
+        keep = request.session.testsfailed > failed_before
+        cp.stop(keep_logs=keep)
+        if keep:
+            sys.stderr.write(f"\ncontrol-plane logs kept in {cp.log_dir}\n")
+
+
+@pytest.fixture(scope="session")
+def control_plane(bare_control_plane: controlplane.ControlPlane) -> controlplane.ControlPlane:
+    """The session's control plane with every crds/*.yaml installed and Established."""
+    cp = bare_control_plane
+    crds = sorted(p for p in CRD_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+    if crds:
+        args = [a for p in crds for a in ("-f", str(p))]
+        cp.kubectl("apply", "--server-side", "--force-conflicts", *args)
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *args)
+    return cp
+
+
+def _namespace_name(nodeid: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", nodeid.rsplit("::", 1)[-1].lower()).strip("-")
+    suffix = secrets.token_hex(3)
+    return f"{base[: 62 - len(suffix) - 1].rstrip('-')}-{suffix}"
+
+
+@pytest.fixture
+def namespace(control_plane: controlplane.ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test (its `default` ServiceAccount exists, so Pods are admitted);
+    deleted afterwards without waiting for finalization."""
+    name = _namespace_name(request.node.nodeid)
+    control_plane.request(
+        "POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": {"test": "true"}}}
+    )
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            control_plane.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
+            break
+        except urllib.error.HTTPError as e:
+            if e.code != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield name
+    if os.environ.get("SERVEDMODEL_KEEP_NAMESPACES") != "1":
+        control_plane.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
