@@ -13,7 +13,6 @@ ENGINE_PORT_NAME = "http"
 MANAGED_BY = "servedmodel-operator"
 PART_OF = "servedmodel"
 ENGINE_LABEL = "inference.servedmodel.io/engine"
-MODEL_LABEL = "inference.servedmodel.io/served-model"
 
 
 def deployment_name(name: str) -> str:
@@ -29,6 +28,11 @@ def service_name(name: str) -> str:
 def cache_claim_name(name: str) -> str:
     """The operator-made weight cache PVC (when spec.cache has no existingClaim)."""
     return f"{name}-cache"
+
+
+def service_url(name: str, namespace: str) -> str:
+    """In-cluster base URL of the engine's OpenAI-compatible API (what status.endpoint says)."""
+    return f"http://{service_name(name)}.{namespace}.svc:{ENGINE_PORT}"
 
 
 def route_name(name: str) -> str:
@@ -55,9 +59,10 @@ def selector_string(name: str) -> str:
 
 def standard_labels(name: str, engine_kind: str) -> dict[str, str]:
     """Selector labels plus managed-by, part-of and the engine kind (which may change, so not a selector)."""
-    return {
+    labels = {
         **selector_labels(name),
         "app.kubernetes.io/managed-by": MANAGED_BY,
         "app.kubernetes.io/part-of": PART_OF,
         ENGINE_LABEL: engine_kind,
     }
+    return dict(sorted(labels.items()))

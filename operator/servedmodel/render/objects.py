@@ -1,0 +1,362 @@
+"""ServedModel → the Kubernetes objects that serve it. Pure: no I/O, same input → equal dicts (and
+byte-identical YAML/JSON), so server-side apply sees no change on resync.
+
+Children (all owned by the ServedModel, controller=true):
+  PersistentVolumeClaim `<name>-cache`   when spec.cache has a size (not existingClaim)
+  Deployment            `<name>`         vllm serve (or the simulator) on port 8000 named http
+  Service               `<name>-engine`  never `vllm` (see api/names.py)
+  Route                 `<name>`         edge TLS, only when route.openshift.io exists and expose.route
+  ServiceMonitor        `<name>`         only when monitoring.coreos.com exists and monitoring.serviceMonitor
+External mode (spec.endpoint) renders nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel
+from servedmodel.api import names as n
+from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
+
+from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
+from .errors import RenderError
+
+Obj = dict[str, Any]
+
+CONTAINER_NAME = "engine"
+CACHE_MOUNT = "/cache"
+HOME_MOUNT = "/home/engine"
+HEALTH_PATH = "/health"
+STARTUP_PERIOD_SECONDS = 10
+# Long completions stream for minutes; the OpenShift router's default 30 s would cut them.
+ROUTE_TIMEOUT = "600s"
+COMMANDS = {"vllm": ["vllm", "serve"], "simulator": ["servedmodel", "sim"]}
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What rendering needs besides the CR: default images and the optional APIs discovered in the cluster."""
+
+    vllm_image: str = VLLM_IMAGE
+    simulator_image: str = SIMULATOR_IMAGE
+    has_route_api: bool = False
+    has_service_monitor_api: bool = False
+
+    @classmethod
+    def from_config(
+        cls, config: OperatorConfig, *, has_route_api: bool = False, has_service_monitor_api: bool = False
+    ) -> RenderContext:
+        return cls(
+            vllm_image=config.vllm_image,
+            simulator_image=config.simulator_image,
+            has_route_api=has_route_api,
+            has_service_monitor_api=has_service_monitor_api,
+        )
+
+
+def _meta(cr: ServedModel, name: str, annotations: dict[str, str] | None = None) -> Obj:
+    meta: Obj = {"name": name}
+    if cr.metadata.namespace:
+        meta["namespace"] = cr.metadata.namespace
+    meta["labels"] = n.standard_labels(cr.name, cr.spec.engine.kind)
+    if annotations:
+        meta["annotations"] = annotations
+    if cr.metadata.uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": API_GROUP_VERSION,
+                "kind": KIND,
+                "name": cr.name,
+                "uid": cr.metadata.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def _secret_env(name: str, secret: str, key: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def engine_env(cr: ServedModel) -> list[Obj]:
+    """Operator env (HOME and caches on writable volumes, secrets by reference), then spec.engine.env
+    overriding by name; sorted by name."""
+    spec = cr.spec
+    env: dict[str, Obj] = {
+        "HOME": {"name": "HOME", "value": HOME_MOUNT},
+        "HF_HOME": {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+        "XDG_CACHE_HOME": {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
+    }
+    if model_location(spec)[1] is not None:
+        # Weights are on a PVC: never reach out to the Hub.
+        env["HF_HUB_OFFLINE"] = {"name": "HF_HUB_OFFLINE", "value": "1"}
+    if spec.hf_token_secret_ref is not None:
+        ref = spec.hf_token_secret_ref
+        env["HF_TOKEN"] = _secret_env("HF_TOKEN", ref.name, ref.key)
+    if spec.engine.api_key_secret_ref is not None:
+        ref = spec.engine.api_key_secret_ref
+        env["VLLM_API_KEY"] = _secret_env("VLLM_API_KEY", ref.name, ref.key)
+    for var in spec.engine.env:
+        entry: Obj = {"name": var.name}
+        if var.value is not None:
+            entry["value"] = var.value
+        if var.value_from is not None:
+            entry["valueFrom"] = var.value_from
+        env[var.name] = entry
+    return [env[k] for k in sorted(env)]
+
+
+def _health_probe(period: int, timeout: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": HEALTH_PATH, "port": n.ENGINE_PORT_NAME, "scheme": "HTTP"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+        "successThreshold": 1,
+    }
+
+
+def probes(cr: ServedModel) -> dict[str, Obj]:
+    """startupProbe covers download + load + compile (spec.engine.startupTimeoutSeconds, default 30 min);
+    readiness and liveness only start after it, with thresholds that tolerate a busy engine."""
+    budget = cr.spec.engine.startup_timeout_seconds
+    return {
+        "startupProbe": _health_probe(STARTUP_PERIOD_SECONDS, 5, math.ceil(budget / STARTUP_PERIOD_SECONDS)),
+        "readinessProbe": _health_probe(10, 5, 3),
+        "livenessProbe": _health_probe(30, 10, 5),
+    }
+
+
+def container_security_context(cr: ServedModel) -> Obj:
+    """OpenShift restricted-v2: no fixed UID (unless spec.engine.runAsUser), non-root, nothing extra."""
+    ctx: Obj = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if cr.spec.engine.run_as_user is not None:
+        ctx["runAsUser"] = cr.spec.engine.run_as_user
+    return ctx
+
+
+def _resources(cr: ServedModel) -> Obj:
+    res = cr.spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    for src, dst in ((res.requests, requests), (res.limits, limits)):
+        if src is not None:
+            if src.cpu is not None:
+                dst["cpu"] = src.cpu
+            if src.memory is not None:
+                dst["memory"] = src.memory
+    if cr.spec.engine.kind == "vllm" and res.gpus > 0:
+        # Extended resources: requests must equal limits; both set so nothing is left to defaulting.
+        requests[res.gpu_resource_name] = str(res.gpus)
+        limits[res.gpu_resource_name] = str(res.gpus)
+    out: Obj = {}
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    return out
+
+
+def _volumes(cr: ServedModel) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, volumeMounts), each sorted by name."""
+    spec = cr.spec
+    cache = spec.cache
+    volumes: list[Obj] = []
+    mounts: list[Obj] = []
+    if cache is None:
+        volumes.append({"name": "cache", "emptyDir": {}})
+    else:
+        claim = cache.existing_claim or n.cache_claim_name(cr.name)
+        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": claim}})
+    mounts.append({"name": "cache", "mountPath": CACHE_MOUNT})
+    if spec.engine.chat_template is not None:
+        ref = spec.engine.chat_template
+        volumes.append(
+            {
+                "name": "chat-template",
+                "configMap": {"name": ref.name, "items": [{"key": ref.key, "path": CHAT_TEMPLATE_FILE}]},
+            }
+        )
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+    volumes.append({"name": "home", "emptyDir": {}})
+    mounts.append({"name": "home", "mountPath": HOME_MOUNT})
+    _, model_claim = model_location(spec)
+    if model_claim is not None:
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": model_claim, "readOnly": True}}
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if spec.engine.kind == "vllm":
+        # NCCL (tensor parallel) and PyTorch workers share memory via /dev/shm; the default 64Mi is too small.
+        shm: Obj = {"medium": "Memory"}
+        if spec.engine.shm_size is not None:
+            shm["sizeLimit"] = spec.engine.shm_size
+        volumes.append({"name": "shm", "emptyDir": shm})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
+    return volumes, mounts
+
+
+def _check(cr: ServedModel) -> None:
+    model, claim = model_location(cr.spec)
+    if claim is not None and ".." in model.split("/"):
+        raise RenderError("spec.model", "a pvc:// path must not contain '..'")
+
+
+def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
+    spec = cr.spec
+    eng = spec.engine
+    kind = eng.kind
+    default_image = ctx.vllm_image if kind == "vllm" else ctx.simulator_image
+    volumes, mounts = _volumes(cr)
+    container: Obj = {
+        "name": CONTAINER_NAME,
+        "image": eng.image or default_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": list(COMMANDS[kind]),
+        "args": engine_args(spec),
+        "ports": [{"name": n.ENGINE_PORT_NAME, "containerPort": n.ENGINE_PORT, "protocol": "TCP"}],
+        "env": engine_env(cr),
+        "resources": _resources(cr),
+        **probes(cr),
+        "securityContext": container_security_context(cr),
+        "volumeMounts": mounts,
+    }
+    pod_spec: Obj = {
+        # No <SERVICE>_PORT variables: a Service named vllm anywhere in the namespace would break vLLM.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(cr, n.deployment_name(cr.name)),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": n.selector_labels(cr.name)},
+            # A new pod must not wait for GPUs the old one holds: replace, don't surge.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            # Rollouts may take as long as the startup budget before the Deployment calls it stuck.
+            "progressDeadlineSeconds": eng.startup_timeout_seconds + 600,
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": n.standard_labels(cr.name, kind)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(cr: ServedModel) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cr, n.service_name(cr.name)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": n.selector_labels(cr.name),
+            "ports": [
+                {
+                    "name": n.ENGINE_PORT_NAME,
+                    "port": n.ENGINE_PORT,
+                    "targetPort": n.ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def cache_claim(cr: ServedModel) -> Obj | None:
+    cache = cr.spec.cache
+    if cache is None or cache.existing_claim is not None or cache.size is None:
+        return None
+    spec: Obj = {
+        "accessModes": list(cache.access_modes or ["ReadWriteOnce"]),
+        "resources": {"requests": {"storage": cache.size}},
+        "volumeMode": "Filesystem",
+    }
+    if cache.storage_class_name is not None:
+        spec["storageClassName"] = cache.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(cr, n.cache_claim_name(cr.name)),
+        "spec": spec,
+    }
+
+
+def route(cr: ServedModel) -> Obj:
+    expose = cr.spec.expose
+    spec: Obj = {}
+    if expose.host is not None:
+        spec["host"] = expose.host
+    spec["to"] = {"kind": "Service", "name": n.service_name(cr.name), "weight": 100}
+    spec["port"] = {"targetPort": n.ENGINE_PORT_NAME}
+    if expose.tls:
+        spec["tls"] = {"termination": "edge", "insecureEdgeTerminationPolicy": "Redirect"}
+    spec["wildcardPolicy"] = "None"
+    return {
+        "apiVersion": "route.openshift.io/v1",
+        "kind": "Route",
+        "metadata": _meta(cr, n.route_name(cr.name), {"haproxy.router.openshift.io/timeout": ROUTE_TIMEOUT}),
+        "spec": spec,
+    }
+
+
+def service_monitor(cr: ServedModel) -> Obj:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(cr, n.service_monitor_name(cr.name)),
+        "spec": {
+            "selector": {"matchLabels": n.selector_labels(cr.name)},
+            "endpoints": [
+                {"port": n.ENGINE_PORT_NAME, "path": "/metrics", "scheme": "http", "interval": "30s"}
+            ],
+        },
+    }
+
+
+def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
+    """Every child of the ServedModel in apply order (PVC, Deployment, Service, Route, ServiceMonitor).
+
+    Raises RenderError for a spec the schema let through that cannot be rendered.
+    """
+    if cr.spec.external:
+        return []
+    _check(cr)
+    objects: list[Obj] = []
+    claim = cache_claim(cr)
+    if claim is not None:
+        objects.append(claim)
+    objects += [deployment(cr, ctx), service(cr)]
+    if ctx.has_route_api and cr.spec.expose.route:
+        objects.append(route(cr))
+    if ctx.has_service_monitor_api and cr.spec.monitoring.service_monitor:
+        objects.append(service_monitor(cr))
+    return objects
