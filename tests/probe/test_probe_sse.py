@@ -1,0 +1,137 @@
+"""SSE decoding and stream timing on recorded-shaped vLLM 0.33 streams (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servedmodel.probe.errors import MALFORMED_STREAM, ProbeFailure
+from servedmodel.probe.sse import SSEDecoder, StreamTiming, client_figures, percentile
+
+
+def chunk(delta: dict[str, object], finish: str | None = None, stop_reason: object = None) -> str:
+    choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
+    doc = {
+        "id": "chatcmpl-probe-1",
+        "object": "chat.completion.chunk",
+        "created": 1764441600,
+        "model": "qwen",
+        "choices": [choice],
+    }
+    return "data: " + json.dumps(doc) + "\n\n"
+
+
+USAGE = (
+    'data: {"id":"chatcmpl-probe-1","object":"chat.completion.chunk","created":1764441600,"model":"qwen",'
+    '"choices":[],"usage":{"prompt_tokens":31,"total_tokens":35,"completion_tokens":4}}\n\n'
+)
+# The shape vLLM 0.33 streams with stream_options.include_usage: role chunk, content chunks, a finish
+# chunk (with stop_reason), the usage chunk, [DONE].
+RECORDED = (
+    chunk({"role": "assistant", "content": ""})
+    + chunk({"content": "one"})
+    + chunk({"content": " two"})
+    + chunk({"content": " three"})
+    + chunk({"content": " four"})
+    + chunk({"content": " "}, finish="stop", stop_reason="five")
+    + USAGE
+    + "data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, len(RECORDED)])
+def test_decoder_reassembles_events_split_anywhere(size: int) -> None:
+    dec = SSEDecoder()
+    raw = RECORDED.encode()
+    events: list[str] = []
+    for i in range(0, len(raw), size):
+        events.extend(dec.feed(raw[i : i + size]))
+    events.extend(dec.close())
+    assert len(events) == 8
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "one"
+
+
+def test_decoder_crlf_comments_and_multiline_data() -> None:
+    dec = SSEDecoder()
+    text = ': keep-alive\r\n\r\nevent: message\r\ndata: {"a":\r\ndata: 1}\r\n\r\n: ping\n\ndata: [DONE]'
+    events = dec.feed(text.encode()) + dec.close()
+    assert events == ['{"a":\n1}', "[DONE]"]
+
+
+def timed(gaps_ms: list[float]) -> StreamTiming:
+    """Feed RECORDED's events at sent=0, headers=2 ms, then the given gaps between events."""
+    t = StreamTiming(sent_ns=0, headers_ns=2_000_000)
+    dec = SSEDecoder()
+    events = dec.feed(RECORDED.encode())
+    now = 2_000_000
+    for data, gap in zip(events, gaps_ms, strict=True):
+        now += int(gap * 1e6)
+        t.on_event(data, now)
+    return t
+
+
+def test_timing_ttft_tpot_itl_e2e() -> None:
+    # role chunk at 12 ms, content at 12, 17, 22, 27 ms, finish chunk 32 ms, usage 32.5, [DONE] 33 ms
+    t = timed([10, 0, 5, 5, 5, 5, 0.5, 0.5])
+    f = client_figures(t)
+    assert t.done
+    assert t.content == "one two three four "
+    assert t.finish_reason == "stop"
+    assert t.stop_reason == "five"
+    assert t.usage == {"prompt_tokens": 31, "total_tokens": 35, "completion_tokens": 4}
+    assert f.headers_ms == pytest.approx(2.0)
+    assert f.ttft_ms == pytest.approx(12.0)
+    # five content chunks (the finish chunk carries " "): gaps 5, 5, 5, 5
+    assert f.itl_ms == pytest.approx([5.0, 5.0, 5.0, 5.0])
+    assert f.itl_p50_ms == pytest.approx(5.0)
+    # vLLM TPOT: (last token - first token) / (completion_tokens - 1) = 20 / 3
+    assert f.tpot_ms == pytest.approx(20.0 / 3)
+    assert f.e2e_ms == pytest.approx(33.0)
+
+
+def test_tpot_falls_back_to_chunk_count_without_usage() -> None:
+    t = StreamTiming(sent_ns=0)
+    for i, text in enumerate(["a", "b", "c"]):
+        t.on_event(json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}), (i + 1) * 1_000_000)
+    t.on_event("[DONE]", 5_000_000)
+    f = client_figures(t)
+    assert f.completion_tokens == 3
+    assert f.tpot_ms == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ('{"choices": [{"delta": {"content": "x"', "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"id": "x"}', "no choices"),
+        ('{"error": {"message": "engine died", "type": "InternalServerError"}}', "engine died"),
+        ('{"choices": ["x"]}', "choice is not an object"),
+    ],
+)
+def test_malformed_chunks_are_malformed_stream(data: str, fragment: str) -> None:
+    t = StreamTiming(sent_ns=0)
+    with pytest.raises(ProbeFailure) as exc:
+        t.on_event(data, 1)
+    assert exc.value.reason == MALFORMED_STREAM
+    assert fragment in exc.value.message
+
+
+def test_data_after_done_is_malformed() -> None:
+    t = StreamTiming(sent_ns=0)
+    t.on_event("[DONE]", 1)
+    with pytest.raises(ProbeFailure):
+        t.on_event('{"choices": []}', 2)
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "want"),
+    [([], 50, None), ([3.0], 95, 3.0), ([1.0, 2.0, 3.0, 4.0], 50, 2.5), ([*range(1, 101)], 95, 95.05)],
+)
+def test_percentile_matches_linear_interpolation(values: list[float], q: float, want: float | None) -> None:
+    got = percentile([float(v) for v in values], q)
+    assert got == (pytest.approx(want) if want is not None else None)
