@@ -1,0 +1,239 @@
+"""The images' install steps work, without a container engine.
+
+Each Containerfile under images/ is replayed: its COPY lines copy from the checkout into a scratch
+root that stands for the image's filesystem, and its `pip install` commands run, unchanged but for
+two flags, in a fresh virtual environment. `--no-deps` keeps it fast on a 2-core CI: the
+dependencies are not downloaded again; instead the fresh venv is pointed at the project venv's
+site-packages and `pip check` proves every requirement of the installed wheel is met. `--no-cache-dir`
+is dropped (it only keeps the image small). Then the ENTRYPOINT's console script must start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import venv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERFILES = sorted((ROOT / "images").glob("*/Containerfile"))
+PIP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Containerfile:
+    """The instructions of the final stage that matter here."""
+
+    path: Path
+    copies: list[tuple[list[str], str, str]] = field(default_factory=list)  # (sources, dest, workdir)
+    pip_installs: list[tuple[list[str], str]] = field(default_factory=list)  # (pip args, workdir)
+    users: list[str] = field(default_factory=list)
+    entrypoint: list[str] = field(default_factory=list)
+    base: str = ""
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def parse(path: Path) -> Containerfile:
+    cf = Containerfile(path)
+    workdir = "/"
+    for instr, rest in _instructions(path.read_text()):
+        if instr == "FROM":
+            # Only the last stage ends up in the image; multi-stage COPY --from is not replayed.
+            cf = Containerfile(path, base=rest.split()[0])
+            workdir = "/"
+        elif instr == "WORKDIR":
+            workdir = rest if rest.startswith("/") else f"{workdir.rstrip('/')}/{rest}"
+        elif instr == "COPY":
+            words = [
+                w for w in shlex.split(rest) if not w.startswith("--chown") and not w.startswith("--chmod")
+            ]
+            assert not any(w.startswith("--from") for w in words), f"{path}: COPY --from is not replayed"
+            cf.copies.append((words[:-1], words[-1], workdir))
+        elif instr == "RUN":
+            for part in rest.split("&&"):
+                words = shlex.split(part)
+                if words[:2] == ["pip", "install"] or words[:4] == ["python", "-m", "pip", "install"]:
+                    cf.pip_installs.append((words[words.index("install") + 1 :], workdir))
+        elif instr == "USER":
+            cf.users.append(rest)
+        elif instr == "ENTRYPOINT":
+            cf.entrypoint = json.loads(rest)
+    return cf
+
+
+def _in_root(root: Path, container_path: str, workdir: str) -> Path:
+    absolute = container_path if container_path.startswith("/") else f"{workdir.rstrip('/')}/{container_path}"
+    return root / absolute.lstrip("/")
+
+
+def replay_copies(cf: Containerfile, root: Path) -> None:
+    """COPY from the checkout (the build context is the repository root) into root."""
+    for sources, dest, workdir in cf.copies:
+        target = _in_root(root, dest, workdir)
+        for src in sources:
+            origin = ROOT / src
+            assert origin.exists(), f"{cf.path}: COPY source {src} is not in the checkout"
+            if origin.is_dir():
+                into = target if len(sources) == 1 and not dest.endswith("/") else target / origin.name
+                shutil.copytree(
+                    origin, into, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            else:
+                into = target / origin.name if dest.endswith("/") else target
+                into.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(origin, into)
+
+
+def _pip_args(args: list[str], root: Path, workdir: str) -> list[str]:
+    """The Containerfile's pip arguments with container paths mapped into root."""
+    mapped: list[str] = []
+    for a in args:
+        if a == "--no-cache-dir":
+            continue
+        if a.startswith(("/", "./")) or a == ".":
+            mapped.append(str(_in_root(root, a, workdir)))
+        else:
+            mapped.append(a)
+    return [*mapped, "--no-deps"]
+
+
+@pytest.fixture(params=CONTAINERFILES, ids=[p.parent.name for p in CONTAINERFILES])
+def containerfile(request: pytest.FixtureRequest) -> Containerfile:
+    path: Path = request.param
+    return parse(path)
+
+
+def test_both_images_are_here() -> None:
+    assert {p.parent.name for p in CONTAINERFILES} >= {"operator"}
+    if not (ROOT / "images" / "simulator" / "Containerfile").exists():
+        pytest.xfail("images/simulator/Containerfile not written yet")
+
+
+def test_runs_as_arbitrary_non_root_uid(containerfile: Containerfile) -> None:
+    """OpenShift's restricted-v2 picks the UID; Kubernetes' runAsNonRoot needs a numeric non-zero USER."""
+    assert containerfile.base.startswith("registry.access.redhat.com/ubi9/"), containerfile.base
+    assert containerfile.users, "no USER: the image would run as root"
+    final_user = containerfile.users[-1].split(":")[0]
+    assert final_user.isdigit(), f"USER {final_user} is not numeric: runAsNonRoot cannot verify it"
+    assert int(final_user) != 0
+    assert containerfile.entrypoint, "ENTRYPOINT must be exec form (JSON)"
+
+
+def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_path: Path) -> None:
+    assert containerfile.pip_installs, f"{containerfile.path}: no `pip install` to replay"
+    root = tmp_path / "image"
+    replay_copies(containerfile, root)
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True, symlinks=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")
+    }
+    for args, workdir in containerfile.pip_installs:
+        cmd = [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            *_pip_args(args, root, workdir),
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, check=False)
+        assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
+
+    # The dependencies: the project venv's, appended after the fresh venv's own site-packages so the
+    # freshly installed servedmodel (not the checkout's editable one) is what imports.
+    purelib = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    )
+    (purelib / "zz_project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    where = subprocess.run(
+        [str(py), "-c", "import servedmodel; print(servedmodel.__file__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    assert Path(where).is_relative_to(purelib), f"servedmodel imported from {where}, not the fresh install"
+
+    # Every module and template of the copied package made it into the wheel (compared with the copy,
+    # not the live checkout, which may gain files meanwhile).
+    source_pkg = next(root.rglob("servedmodel/__init__.py")).parent
+    wanted = {
+        p.relative_to(source_pkg).as_posix()
+        for p in source_pkg.rglob("*")
+        if p.is_file() and p.suffix in (".py", ".jinja", ".typed") and "__pycache__" not in p.parts
+    }
+    installed = {
+        p.relative_to(purelib / "servedmodel").as_posix()
+        for p in (purelib / "servedmodel").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert wanted <= installed, f"missing from the wheel: {sorted(wanted - installed)}"
+
+    check = subprocess.run(
+        [str(py), "-m", "pip", "check", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert check.returncode == 0, f"unmet requirements:\n{check.stdout}{check.stderr}"
+
+    exe = env_dir / "bin" / containerfile.entrypoint[0]
+    assert exe.exists(), f"ENTRYPOINT {containerfile.entrypoint[0]} is not a console script of the install"
+    res = subprocess.run(
+        [str(exe), *containerfile.entrypoint[1:], "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, f"{containerfile.entrypoint} --help exited {res.returncode}: {res.stderr}"
+    assert "usage:" in res.stdout
+
+
+def test_parse_reads_copy_run_and_user() -> None:
+    cf = parse(ROOT / "images" / "operator" / "Containerfile")
+    assert cf.entrypoint == ["servedmodel", "run"]
+    assert any("pyproject.toml" in srcs for srcs, _, _ in cf.copies)
