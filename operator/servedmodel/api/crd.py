@@ -10,6 +10,7 @@ models carry in json_schema_extra. The output is deterministic: same models → 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -279,9 +280,7 @@ def _object_sections(node: Schema, path: str, out: list[str]) -> None:
     out += ["| Field | Type | Default | Constraints | Description |", "|---|---|---|---|---|"]
     nested: list[tuple[str, Schema]] = []
     for name, sub in props.items():
-        default = (
-            f"`{yaml.safe_dump(sub['default'], default_flow_style=True).strip()}`" if "default" in sub else ""
-        )
+        default = f"`{json.dumps(sub['default'], ensure_ascii=False)}`" if "default" in sub else ""
         flag = " (required)" if name in required else ""
         out.append(
             f"| `{name}`{flag} | {_type_of(sub)} | {_cell(default)} | {_cell(_constraints(sub))} "

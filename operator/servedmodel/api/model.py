@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from .base import API_GROUP, API_VERSION, ApiModel
 from .spec import ServedModelSpec
@@ -60,6 +61,15 @@ class ServedModel(ApiModel):
     metadata: ObjectMeta = Field(description="Standard object metadata.")
     spec: ServedModelSpec = Field(description="What to serve and how.")
     status: ServedModelStatus | None = Field(default=None, description="Observed state.")
+
+    @model_validator(mode="after")
+    def _name_fits_children(self) -> ServedModel:
+        name = self.metadata.name
+        if len(name) > MAX_NAME_LENGTH:
+            raise ValueError(f"metadata.name must be at most {MAX_NAME_LENGTH} characters")
+        if not re.match(NAME_PATTERN, name):
+            raise ValueError("metadata.name must start with a letter and be a DNS label")
+        return self
 
     @classmethod
     def from_body(cls, body: Any) -> ServedModel:
