@@ -1,1 +1,9 @@
+"""kopf handlers (the only package that imports kopf). Importing it registers every handler with kopf.
 
+startup: settings, the shared Kubernetes client and the metrics server (in memo); servedmodel: the
+reconcile handlers; probe: the request-path probe daemon.
+"""
+
+from . import servedmodel, startup
+
+__all__ = ["servedmodel", "startup"]

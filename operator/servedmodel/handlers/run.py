@@ -1,0 +1,59 @@
+"""`servedmodel run`: start the operator (kopf) against the current kubeconfig or service account.
+
+Standalone (no peering: run one replica), kopf's liveness endpoint on OperatorConfig.health_port
+(GET /healthz), the operator's metrics on OperatorConfig.metrics_port (GET /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+
+from servedmodel.config import OperatorConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch this namespace (repeatable; globs like 'team-*'); default: SERVEDMODEL_NAMESPACES",
+    )
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch every namespace (the default when none is set)",
+    )
+    parser.add_argument(
+        "--bind-address",
+        default="0.0.0.0",
+        help="address of the liveness and metrics endpoints (default 0.0.0.0; tests use 127.0.0.1)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = OperatorConfig()
+    namespaces: list[str] = [] if args.all_namespaces else (args.namespaces or config.namespaces)
+    kopf.configure(verbose=args.verbose, quiet=args.quiet)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+    import servedmodel.handlers  # noqa: F401  (registers the handlers with kopf)
+
+    liveness = f"http://{args.bind_address}:{config.health_port}/healthz" if config.health_port else None
+    memo = kopf.Memo(config=config, bind_address=args.bind_address)
+    kopf.run(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness,
+        memo=memo,
+    )
+    return 0

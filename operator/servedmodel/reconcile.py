@@ -1,0 +1,224 @@
+"""The reconcile sequence: validate → discover → render → apply → prune → observe → status → events.
+
+No kopf here: handlers/ call `reconcile()` and turn its `Outcome` into Events, retries and metrics.
+
+- validate: `ServedModel` (pydantic) on the body; a spec the CRD schema let through but the model or
+  render rejects becomes the InvalidSpec condition and a permanent outcome (no retry until it changes).
+- apply: server-side apply of every rendered child as `config.field_manager`, force=True; render puts
+  the controller owner reference on each, so deleting the ServedModel garbage-collects them.
+- prune: children of this ServedModel (by owner uid) that the spec no longer renders (a Route after
+  expose.route=false, everything after a switch to external mode) are deleted.
+- status: `status.compute_status` from the observed Deployment, Pods and Route, written with one
+  server-side apply on /status, and only when it differs from what is there (ignoring times).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import pydantic
+
+from . import status as st
+from .api import API_GROUP_VERSION, PLURAL, ServedModel, names
+from .config import OperatorConfig
+from .k8s import ApiError, KubeClient
+from .render import RenderContext, RenderError, render
+
+log = logging.getLogger(__name__)
+
+ROUTE_API: Final = "route.openshift.io/v1"
+MONITORING_API: Final = "monitoring.coreos.com/v1"
+# (apiVersion, plural, kind) of every kind of child the operator may have made; optional APIs last.
+CHILD_KINDS: Final = (
+    ("apps/v1", "deployments", "Deployment"),
+    ("v1", "services", "Service"),
+    ("v1", "persistentvolumeclaims", "PersistentVolumeClaim"),
+    (ROUTE_API, "routes", "Route"),
+    (MONITORING_API, "servicemonitors", "ServiceMonitor"),
+)
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did. `status` is the reconciler's fragment as computed (written or not)."""
+
+    status: dict[str, Any]
+    written: bool
+    transitions: list[st.Transition] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)  # "Kind/name"
+    pruned: list[str] = field(default_factory=list)
+    invalid_spec: str | None = None  # permanent: retrying cannot help until the spec changes
+    apply_error: str | None = None  # temporary: retry later
+
+
+def utc_now() -> str:
+    """RFC 3339 with second precision, as Kubernetes writes metav1.Time."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def validation_message(error: pydantic.ValidationError, limit: int = 3) -> str:
+    """A short human message: the first few field errors as `spec.path: message`."""
+    parts = []
+    for e in error.errors()[:limit]:
+        loc = ".".join(str(x) for x in e["loc"] if not isinstance(x, int)) or "spec"
+        parts.append(f"{loc}: {e['msg']}")
+    more = error.error_count() - limit
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def parse(body: Mapping[str, Any]) -> ServedModel:
+    """The CR as a model; status is left out (the probe's fields there are not ours to validate)."""
+    return ServedModel.from_body({k: v for k, v in body.items() if k != "status"})
+
+
+async def observe(client: KubeClient, name: str, namespace: str, *, with_route: bool) -> st.Observed:
+    deployment = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+    pods = await client.list("v1", "pods", namespace, label_selector=names.selector_string(name))
+    route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name)) if with_route else None
+    return st.Observed(deployment=deployment, pods=pods, route=route)
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+async def prune(
+    client: KubeClient,
+    name: str,
+    namespace: str,
+    uid: str,
+    keep: set[tuple[str, str]],
+    optional: dict[str, bool],
+) -> list[str]:
+    """Delete this ServedModel's children (owner uid) whose (kind, name) is not in `keep`."""
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={names.MANAGED_BY}"
+    pruned = []
+    for api_version, plural, kind in CHILD_KINDS:
+        if not optional.get(api_version, True):
+            continue
+        for obj in await client.list(api_version, plural, namespace, label_selector=selector):
+            child = (obj.get("metadata") or {}).get("name", "")
+            if (kind, child) not in keep and _owned_by(obj, uid):
+                await client.delete(api_version, plural, namespace, child)
+                pruned.append(f"{kind}/{child}")
+    return pruned
+
+
+async def write_status(
+    client: KubeClient, config: OperatorConfig, body: Mapping[str, Any], desired: dict[str, Any]
+) -> bool:
+    """Server-side apply of the reconciler's fragment, only if it changes something; True if written."""
+    if not st.status_changed(body.get("status"), desired):
+        return False
+    meta = body["metadata"]
+    await client.apply_status(
+        API_GROUP_VERSION, PLURAL, meta.get("namespace"), meta["name"], desired, config.field_manager
+    )
+    return True
+
+
+async def reconcile(
+    client: KubeClient,
+    body: Mapping[str, Any],
+    config: OperatorConfig,
+    *,
+    apply: bool = True,
+    now: Callable[[], str] = utc_now,
+) -> Outcome:
+    """One pass over a ServedModel `body` (as kopf or the API server gives it).
+
+    apply=False only observes and refreshes status (the periodic resync and child events);
+    apply=True also renders, applies and prunes the children (create, spec change, resume).
+    ApiError propagates when the API server cannot be reached or refuses a read; a refused child
+    apply becomes the ApplyFailed reason on Degraded and `Outcome.apply_error`.
+    """
+    meta = body["metadata"]
+    name, namespace = str(meta["name"]), str(meta.get("namespace") or "default")
+    generation = int(meta.get("generation") or 0)
+    uid = str(meta.get("uid") or "")
+    previous = body.get("status")
+    common: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "generation": generation,
+        "previous": previous,
+        "now": now(),
+    }
+
+    invalid: str | None = None
+    cr: ServedModel | None = None
+    objects: list[dict[str, Any]] = []
+    optional: dict[str, bool] = {}
+    try:
+        cr = parse(body)
+    except pydantic.ValidationError as e:
+        invalid = validation_message(e)
+    if cr is not None and not cr.spec.external:
+        optional = {
+            ROUTE_API: await client.discover(ROUTE_API),
+            MONITORING_API: await client.discover(MONITORING_API),
+        }
+        ctx = RenderContext.from_config(
+            config, has_route_api=optional[ROUTE_API], has_service_monitor_api=optional[MONITORING_API]
+        )
+        try:
+            objects = render(cr, ctx)
+        except RenderError as e:
+            invalid = str(e)
+
+    if invalid is not None:
+        # Children of the last good spec stay as they are (and may still serve); say what is wrong.
+        observed = await observe(client, name, namespace, with_route=False)
+        desired = st.compute_status(**common, observed=observed, invalid_spec=invalid)
+        written = await write_status(client, config, body, desired)
+        return Outcome(
+            desired, written, st.transitions(previous, desired) if written else [], invalid_spec=invalid
+        )
+    assert cr is not None
+
+    applied: list[str] = []
+    pruned: list[str] = []
+    apply_error: tuple[str, str] | None = None
+    if apply:
+        for obj in objects:
+            ref = f"{obj['kind']}/{obj['metadata']['name']}"
+            try:
+                await client.apply(obj, config.field_manager, force=True)
+                applied.append(ref)
+            except ApiError as e:
+                if e.status == 0 or e.status >= 500:
+                    raise  # unreachable or overloaded: the caller retries the whole pass
+                log.warning("apply %s failed: %s", ref, e)
+                apply_error = apply_error or ("ApplyFailed", f"{ref}: {e.reason}: {e.message}")
+        if uid and apply_error is None:
+            keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
+            pruned = await prune(client, name, namespace, uid, keep, optional)
+
+    if cr.spec.external:
+        desired = st.compute_status(
+            **common,
+            external_endpoint=cr.spec.endpoint,
+            served_model_name=cr.spec.resolved_served_model_name,
+        )
+    else:
+        with_route = any(o["kind"] == "Route" for o in objects)
+        observed = await observe(client, name, namespace, with_route=with_route)
+        desired = st.compute_status(
+            **common,
+            observed=observed,
+            served_model_name=cr.spec.resolved_served_model_name,
+            apply_error=apply_error,
+        )
+    written = await write_status(client, config, body, desired)
+    return Outcome(
+        desired,
+        written,
+        st.transitions(previous, desired) if written else [],
+        applied=applied,
+        pruned=pruned,
+        apply_error=apply_error[1] if apply_error else None,
+    )
