@@ -13,6 +13,7 @@ from .objects import (
     route,
     service,
     service_monitor,
+    to_yaml,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "route",
     "service",
     "service_monitor",
+    "to_yaml",
 ]

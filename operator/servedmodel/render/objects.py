@@ -18,6 +18,7 @@ from typing import Any
 
 from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel
 from servedmodel.api import names as n
+from servedmodel.api.crd import dump_yaml
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
@@ -360,3 +361,8 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
     if ctx.has_service_monitor_api and cr.spec.monitoring.service_monitor:
         objects.append(service_monitor(cr))
     return objects
+
+
+def to_yaml(objects: list[Obj]) -> str:
+    """Multi-document YAML of rendered objects, deterministic (what `kubectl apply -f` takes)."""
+    return "---\n".join(dump_yaml(obj) for obj in objects)

@@ -1,0 +1,341 @@
+"""render/: table tests for args, probes, security context, labels, env, images and determinism."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from servedmodel.api import ServedModel
+from servedmodel.api import names as n
+from servedmodel.config import OperatorConfig
+from servedmodel.render import (
+    RenderContext,
+    RenderError,
+    deployment,
+    engine_args,
+    engine_env,
+    probes,
+    render,
+    to_yaml,
+)
+
+CTX = RenderContext()
+OCP = RenderContext(has_route_api=True, has_service_monitor_api=True)
+
+
+def cr(spec: dict[str, Any] | None = None, name: str = "qwen", **meta: Any) -> ServedModel:
+    body = {
+        "metadata": {"name": name, "namespace": "ai", "uid": "uid-1", **meta},
+        "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", **(spec or {})},
+    }
+    return ServedModel.model_validate(body)
+
+
+def container(obj: ServedModel, ctx: RenderContext = CTX) -> dict[str, Any]:
+    c: dict[str, Any] = deployment(obj, ctx)["spec"]["template"]["spec"]["containers"][0]
+    return c
+
+
+def pod_spec(obj: ServedModel, ctx: RenderContext = CTX) -> dict[str, Any]:
+    p: dict[str, Any] = deployment(obj, ctx)["spec"]["template"]["spec"]
+    return p
+
+
+BASE_ARGS = ["Qwen/Qwen2.5-7B-Instruct", "--served-model-name", "Qwen/Qwen2.5-7B-Instruct", "--port", "8000"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "tail"),
+    [
+        ({}, ["--tensor-parallel-size", "1"]),
+        ({"engine": {"maxModelLen": 8192}}, ["--max-model-len", "8192", "--tensor-parallel-size", "1"]),
+        ({"engine": {"maxNumSeqs": 64}}, ["--max-num-seqs", "64", "--tensor-parallel-size", "1"]),
+        (
+            {"engine": {"maxNumBatchedTokens": 4096}},
+            ["--max-num-batched-tokens", "4096", "--tensor-parallel-size", "1"],
+        ),
+        (
+            {"engine": {"gpuMemoryUtilization": 0.85}},
+            ["--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"],
+        ),
+        ({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}, ["--tensor-parallel-size", "2"]),
+        (
+            {"engine": {"enablePrefixCaching": False}},
+            ["--tensor-parallel-size", "1", "--no-enable-prefix-caching"],
+        ),
+        (
+            {"engine": {"enablePrefixCaching": True}},
+            ["--tensor-parallel-size", "1", "--enable-prefix-caching"],
+        ),
+        (
+            {"engine": {"enableChunkedPrefill": False}},
+            ["--tensor-parallel-size", "1", "--no-enable-chunked-prefill"],
+        ),
+        ({"engine": {"dtype": "bfloat16"}}, ["--tensor-parallel-size", "1", "--dtype", "bfloat16"]),
+        (
+            {"engine": {"chatTemplate": {"name": "t", "key": "k.jinja"}}},
+            [
+                "--tensor-parallel-size",
+                "1",
+                "--chat-template",
+                "/etc/servedmodel/chat-template/template.jinja",
+            ],
+        ),
+        (
+            {"engine": {"extraArgs": ["--enable-log-requests", "--block-size=32"]}},
+            ["--tensor-parallel-size", "1", "--enable-log-requests", "--block-size=32"],
+        ),
+    ],
+)
+def test_engine_args(spec: dict[str, Any], tail: list[str]) -> None:
+    assert engine_args(cr(spec).spec) == BASE_ARGS + tail
+
+
+def test_revision_and_served_name() -> None:
+    args = engine_args(cr({"revision": "v1.0", "servedModelName": "qwen"}).spec)
+    assert args[:7] == [
+        "Qwen/Qwen2.5-7B-Instruct",
+        "--served-model-name",
+        "qwen",
+        "--port",
+        "8000",
+        "--revision",
+        "v1.0",
+    ]
+
+
+def test_pvc_model_is_mounted_read_only_and_offline() -> None:
+    obj = cr({"model": "pvc://store/qwen/7b"})
+    c = container(obj)
+    assert c["args"][0] == "/mnt/models/qwen/7b"
+    assert {"name": "model", "mountPath": "/mnt/models", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
+    vol = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "model")
+    assert vol["persistentVolumeClaim"] == {"claimName": "store", "readOnly": True}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"engine": {"extraArgs": ["--max-model-len=4096"]}}, "spec.engine.extraArgs"),
+        ({"engine": {"extraArgs": ["--tensor_parallel_size", "2"]}}, "spec.engine.extraArgs"),
+        ({"engine": {"extraArgs": ["--served-model-name", "x"]}}, "spec.engine.extraArgs"),
+        ({"model": "pvc://store/../etc"}, "spec.model"),
+    ],
+)
+def test_render_error_names_the_field(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(RenderError) as info:
+        render(cr(spec), CTX)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+
+
+@pytest.mark.parametrize(("timeout", "threshold"), [(None, 180), (3600, 360), (65, 7)])
+def test_startup_budget(timeout: int | None, threshold: int) -> None:
+    spec = {"engine": {"startupTimeoutSeconds": timeout}} if timeout else {}
+    p = probes(cr(spec))
+    startup = p["startupProbe"]
+    assert startup["failureThreshold"] == threshold
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= (timeout or 1800)
+    assert all(probe["httpGet"]["path"] == "/health" for probe in p.values())
+    assert all(probe["httpGet"]["port"] == "http" for probe in p.values())
+    assert p["livenessProbe"]["failureThreshold"] * p["livenessProbe"]["periodSeconds"] >= 120
+
+
+def test_default_startup_budget_is_at_least_30_minutes() -> None:
+    startup = container(cr())["startupProbe"]
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 30 * 60
+    assert deployment(cr(), CTX)["spec"]["progressDeadlineSeconds"] > 30 * 60
+
+
+@pytest.mark.parametrize("kind", ["vllm", "simulator"])
+def test_restricted_v2_security_context(kind: str) -> None:
+    obj = cr({"engine": {"kind": kind}, "resources": {"gpus": 0 if kind == "simulator" else 1}})
+    c = container(obj)
+    ctx = c["securityContext"]
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["runAsNonRoot"] is True
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "runAsUser" not in ctx
+    assert "privileged" not in ctx
+    pod = pod_spec(obj)
+    assert "runAsUser" not in pod["securityContext"]
+    assert "fsGroup" not in pod["securityContext"]
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HOME"] in mounts
+    assert env["HF_HOME"].startswith("/cache")
+    assert "/cache" in mounts
+
+
+def test_run_as_user_when_asked() -> None:
+    assert container(cr({"engine": {"runAsUser": 1001}}))["securityContext"]["runAsUser"] == 1001
+
+
+def test_vllm_pod_shape() -> None:
+    obj = cr({"engine": {"shmSize": "2Gi"}, "resources": {"gpus": 1, "gpuResourceName": "amd.com/gpu"}})
+    c = container(obj)
+    assert c["image"] == "vllm/vllm-openai:v0.33.0"
+    assert c["command"] == ["vllm", "serve"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["resources"]["limits"] == {"amd.com/gpu": "1"}
+    shm = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "shm")
+    assert shm == {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod_spec(obj)["enableServiceLinks"] is False
+
+
+def test_simulator_pod_shape() -> None:
+    ctx = RenderContext.from_config(OperatorConfig(simulator_image="example.com/sim:dev"))
+    obj = cr({"engine": {"kind": "simulator", "maxModelLen": 2048}, "resources": {"gpus": 0}})
+    c = container(obj, ctx)
+    assert c["image"] == "example.com/sim:dev"
+    assert c["command"] == ["servedmodel", "sim"]
+    assert c["args"] == engine_args(obj.spec)
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert all(v["name"] != "shm" for v in pod_spec(obj, ctx)["volumes"])
+
+
+def test_image_override() -> None:
+    assert (
+        container(cr({"engine": {"image": "registry.local/vllm:custom"}}))["image"]
+        == "registry.local/vllm:custom"
+    )
+
+
+def test_secrets_only_by_reference() -> None:
+    obj = cr(
+        {
+            "hfTokenSecretRef": {"name": "hf", "key": "token"},
+            "engine": {"apiKeySecretRef": {"name": "api", "key": "key"}},
+        }
+    )
+    env = {e["name"]: e for e in engine_env(obj)}
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+    }
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "key"}
+    assert "value" not in env["HF_TOKEN"]
+    assert "value" not in env["VLLM_API_KEY"]
+    assert not any(a.startswith("--api-key") for a in container(obj)["args"])
+
+
+def test_env_sorted_and_user_env_overrides_by_name() -> None:
+    obj = cr(
+        {"engine": {"env": [{"name": "HF_HOME", "value": "/cache/hf"}, {"name": "A_FIRST", "value": "1"}]}}
+    )
+    env = engine_env(obj)
+    names = [e["name"] for e in env]
+    assert names == sorted(names)
+    assert len(names) == len(set(names))
+    assert {"name": "HF_HOME", "value": "/cache/hf"} in env
+
+
+@pytest.mark.parametrize("name", ["qwen", "vllm"])
+def test_labels_selectors_and_names(name: str) -> None:
+    objects = render(cr({"cache": {"size": "10Gi"}}, name=name), OCP)
+    assert [o["kind"] for o in objects] == [
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "Route",
+        "ServiceMonitor",
+    ]
+    selector = n.selector_labels(name)
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        for key in ("name", "instance", "component", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels
+        assert labels["app.kubernetes.io/instance"] == name
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner["controller"] is True
+        assert owner["blockOwnerDeletion"] is True
+        assert owner["uid"] == "uid-1"
+        assert obj["metadata"]["namespace"] == "ai"
+    dep, svc = objects[1], objects[2]
+    assert dep["spec"]["selector"]["matchLabels"] == selector
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == selector
+    assert svc["metadata"]["name"] == f"{name}-engine" != "vllm"
+    assert objects[4]["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+
+
+def test_selector_stable_across_engine_kind() -> None:
+    a = deployment(cr(), CTX)["spec"]["selector"]
+    b = deployment(cr({"engine": {"kind": "simulator"}, "resources": {"gpus": 0}}), CTX)["spec"]["selector"]
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    ("ctx", "spec", "kinds"),
+    [
+        (CTX, {}, ["Deployment", "Service"]),
+        (OCP, {}, ["Deployment", "Service", "Route", "ServiceMonitor"]),
+        (
+            OCP,
+            {"expose": {"route": False}, "monitoring": {"serviceMonitor": False}},
+            ["Deployment", "Service"],
+        ),
+        (RenderContext(has_route_api=True), {}, ["Deployment", "Service", "Route"]),
+        (CTX, {"cache": {"existingClaim": "hf"}}, ["Deployment", "Service"]),
+        (CTX, {"cache": {"size": "1Gi"}}, ["PersistentVolumeClaim", "Deployment", "Service"]),
+        (OCP, {"endpoint": "http://qwen.ai.svc:8000"}, []),
+    ],
+)
+def test_which_children(ctx: RenderContext, spec: dict[str, Any], kinds: list[str]) -> None:
+    assert [o["kind"] for o in render(cr(spec), ctx)] == kinds
+
+
+def test_route_edge_tls_and_long_timeout() -> None:
+    route = render(cr({"expose": {"host": "q.apps.example.com"}}), OCP)[2]
+    assert route["spec"]["tls"] == {"termination": "edge", "insecureEdgeTerminationPolicy": "Redirect"}
+    assert route["spec"]["host"] == "q.apps.example.com"
+    assert route["spec"]["to"]["name"] == "qwen-engine"
+    assert route["metadata"]["annotations"]["haproxy.router.openshift.io/timeout"] == "600s"
+    plain = render(cr({"expose": {"tls": False}}), OCP)[2]
+    assert "tls" not in plain["spec"]
+
+
+def test_cache_claim_shape() -> None:
+    (pvc,) = [
+        o
+        for o in render(cr({"cache": {"size": "100Gi", "storageClassName": "fast"}}), CTX)
+        if o["kind"] == "PersistentVolumeClaim"
+    ]
+    assert pvc["metadata"]["name"] == "qwen-cache"
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "100Gi"}},
+        "volumeMode": "Filesystem",
+        "storageClassName": "fast",
+    }
+
+
+def test_deterministic() -> None:
+    spec = {
+        "engine": {"env": [{"name": "B", "value": "2"}, {"name": "A", "value": "1"}], "maxModelLen": 4096},
+        "nodeSelector": {"z": "1", "a": "2"},
+        "cache": {"size": "1Gi"},
+    }
+    first = to_yaml(render(cr(spec), OCP))
+    reordered = {
+        "cache": {"size": "1Gi"},
+        "nodeSelector": {"a": "2", "z": "1"},
+        "engine": dict(reversed(list(spec["engine"].items()))),
+    }
+    assert to_yaml(render(cr(spec), OCP)) == first
+    assert to_yaml(render(cr(reordered), OCP)) == first
+
+
+def test_replicas_follow_spec() -> None:
+    assert deployment(cr({"replicas": 3}), CTX)["spec"]["replicas"] == 3
+    assert deployment(cr({"replicas": 0}), CTX)["spec"]["replicas"] == 0
+
+
+def test_no_owner_reference_without_uid() -> None:
+    obj = ServedModel.model_validate({"metadata": {"name": "q"}, "spec": {"model": "m"}})
+    assert all("ownerReferences" not in o["metadata"] for o in render(obj, CTX))
