@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from servedmodel.probe.endpoints import (
     resolve_managed,
     service_url,
 )
+from servedmodel.probe.schedule import first_delay, next_delay
 
 
 @pytest.mark.parametrize(
@@ -89,3 +91,15 @@ def test_external_target_and_normalisation() -> None:
         "external",
     )
     assert normalise_base_url(" http://h:1/ ") == "http://h:1"
+
+
+@pytest.mark.parametrize(
+    ("failures", "lo", "hi"),
+    [(0, 54, 66), (1, 54, 66), (2, 108, 132), (3, 216, 264), (4, 216, 264), (50, 216, 264)],
+)
+def test_next_delay_jitters_and_backs_off_bounded(failures: int, lo: float, hi: float) -> None:
+    rng = random.Random(7)
+    delays = [next_delay(60, failures, rng) for _ in range(200)]
+    assert all(lo <= d <= hi for d in delays)
+    assert len(set(delays)) > 100  # jittered, not constant
+    assert 0 <= first_delay(60, rng) <= 6

@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -247,13 +247,25 @@ async def stream_chat(
     headers = {**_auth(api_key), "Accept": "text/event-stream"}
     if request_id:
         headers["X-Request-Id"] = request_id
-    request = client.build_request("POST", f"{base}/v1/chat/completions", json=body, headers=headers)
+    # httpcore's trace hook marks the moment the request's last byte was written and the moment the
+    # response headers were read: "request sent" excludes connection setup and client-side encoding.
+    marks: dict[str, int] = {}
+
+    async def trace(event: str, info: Mapping[str, Any]) -> None:
+        if event.endswith(("send_request_body.complete", "receive_response_headers.complete")):
+            marks[event.rsplit(".", 2)[-2]] = clock()
+
+    request = client.build_request(
+        "POST", f"{base}/v1/chat/completions", json=body, headers=headers, extensions={"trace": trace}
+    )
     timing = StreamTiming(sent_ns=clock())
     try:
         response = await client.send(request, stream=True)
     except httpx.TransportError as exc:
         raise er.classify_transport_error(exc, step) from None
-    timing.headers_ns = clock()
+    now = clock()
+    timing.sent_ns = marks.get("send_request_body", timing.sent_ns)
+    timing.headers_ns = marks.get("receive_response_headers", now)
     try:
         if response.status_code != 200:
             try:
