@@ -4,6 +4,6 @@ startup: settings, the shared Kubernetes client and the metrics server (in memo)
 reconcile handlers; probe: the request-path probe daemon.
 """
 
-from . import servedmodel, startup
+from . import probe, servedmodel, startup
 
-__all__ = ["servedmodel", "startup"]
+__all__ = ["probe", "servedmodel", "startup"]

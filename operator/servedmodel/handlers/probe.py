@@ -19,6 +19,7 @@ import kopf
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 
+from servedmodel.api import API_GROUP_VERSION
 from servedmodel.api.base import API_GROUP, API_VERSION, PLURAL
 from servedmodel.api.names import service_name
 from servedmodel.api.probe import ProbeSpec, ProbeStatus
@@ -88,7 +89,6 @@ PROBE_STATUS_WRITES = Counter(
 )
 
 T = TypeVar("T")
-FULL_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 
 
 class _KeyRef(Protocol):
@@ -287,7 +287,7 @@ async def probe_daemon(
                 if patch != last_written:
                     try:
                         await kube.apply_status(
-                            FULL_API_VERSION,
+                            API_GROUP_VERSION,
                             PLURAL,
                             namespace,
                             name,
