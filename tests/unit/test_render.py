@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -20,6 +21,7 @@ from servedmodel.render import (
     render,
     to_yaml,
 )
+from servedmodel.sim import cli as sim_cli
 
 CTX = RenderContext()
 OCP = RenderContext(has_route_api=True, has_service_monitor_api=True)
@@ -339,3 +341,34 @@ def test_replicas_follow_spec() -> None:
 def test_no_owner_reference_without_uid() -> None:
     obj = ServedModel.model_validate({"metadata": {"name": "q"}, "spec": {"model": "m"}})
     assert all("ownerReferences" not in o["metadata"] for o in render(obj, CTX))
+
+
+def test_simulator_accepts_every_rendered_flag() -> None:
+    # The simulator image runs `servedmodel sim` + the vLLM args: its parser must take all of them.
+    obj = cr(
+        {
+            "revision": "main",
+            "servedModelName": "qwen",
+            "engine": {
+                "kind": "simulator",
+                "maxModelLen": 4096,
+                "maxNumSeqs": 8,
+                "maxNumBatchedTokens": 4096,
+                "gpuMemoryUtilization": 0.5,
+                "enablePrefixCaching": False,
+                "enableChunkedPrefill": False,
+                "dtype": "bfloat16",
+                "chatTemplate": {"name": "t", "key": "k"},
+            },
+            "resources": {"gpus": 0},
+        }
+    )
+    c = container(obj)
+    assert c["command"][1] == "sim"
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    args = parser.parse_args(c["args"])
+    assert args.served_model_name == ["qwen"]
+    assert args.port == 8000
+    assert args.max_model_len == 4096
+    assert args.enable_prefix_caching is False
