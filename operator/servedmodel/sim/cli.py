@@ -1,0 +1,187 @@
+"""`servedmodel sim`: flags named as `vllm serve`'s (so the operator builds one argument list for both),
+plus `--sim-*` knobs for the step-time model, output length, startup delay and faults."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+
+from servedmodel.sim.engine import EngineConfig
+from servedmodel.sim.faults import Faults
+from servedmodel.sim.server import SimSettings, serve
+
+log = logging.getLogger("servedmodel.sim")
+
+# vLLM flags the simulator accepts and ignores: (flag, takes a value).
+IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
+    ("--gpu-memory-utilization", True),
+    ("--tensor-parallel-size", True),
+    ("--pipeline-parallel-size", True),
+    ("--dtype", True),
+    ("--revision", True),
+    ("--download-dir", True),
+    ("--trust-remote-code", False),
+    ("--disable-log-stats", False),
+    ("--enable-log-requests", False),
+    ("--kv-cache-dtype", True),
+    ("--swap-space", True),
+    ("--enforce-eager", False),
+    ("--uvicorn-log-level", True),
+)
+
+
+def human_int(value: str) -> int:
+    """vLLM's human-readable ints: 8k = 8000, 8K = 8192, 1m = 1000000, 1M = 1048576; plain ints too."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", value)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}")
+    number, suffix = float(match.group(1)), match.group(2)
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    return int(number * scale)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    parser.add_argument(
+        "model", nargs="?", default="Qwen/Qwen2.5-7B-Instruct", help="model name or path (only a name here)"
+    )
+    parser.add_argument(
+        "--served-model-name", nargs="+", action="extend", default=[], help="names clients may use"
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-model-len", type=human_int, default=d.max_model_len, help="context length (8k, 32K)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=human_int, default=None, help="per-step token budget"
+    )
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks,
+                        help="KV cache capacity in blocks (what GPU memory would decide)")  # fmt: skip
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--chat-template", default=None, help="Jinja file, inline Jinja, or qwen2.5|qwen3|llama3|plain"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="directory with a HF tokenizer.json (default: Qwen's BPE)"
+    )
+    parser.add_argument("--api-key", default=None, help="guards /v1 (default: $VLLM_API_KEY)")
+    parser.add_argument("--seed", type=int, default=0)
+    for flag, takes_value in IGNORED_FLAGS:
+        if takes_value:
+            parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
+    sim = parser.add_argument_group("simulator")
+    sim.add_argument(
+        "--sim-step-base-ms", type=float, default=d.step_base_ms, help="fixed cost of one engine step"
+    )
+    sim.add_argument(
+        "--sim-prefill-token-ms", type=float, default=d.prefill_token_ms, help="cost per prefill token"
+    )
+    sim.add_argument(
+        "--sim-running-seq-ms", type=float, default=d.running_seq_ms, help="cost per sequence in the batch"
+    )
+    sim.add_argument(
+        "--sim-noise", type=float, default=d.noise, help="relative std-dev of step time (seeded)"
+    )
+    sim.add_argument("--sim-mean-output-tokens", type=int, default=d.mean_output_tokens)
+    sim.add_argument(
+        "--sim-startup-delay", type=float, default=0.0, help="seconds /health answers 503 after start"
+    )
+    sim.add_argument("--sim-error-rate", type=float, default=0.0)
+    sim.add_argument("--sim-error-status", type=int, default=500)
+    sim.add_argument("--sim-stall-after-tokens", type=int, default=None)
+    sim.add_argument("--sim-drop-after-tokens", type=int, default=None)
+    sim.add_argument("--sim-first-byte-delay-ms", type=float, default=0.0)
+    sim.add_argument("--sim-malformed-chunk-rate", type=float, default=0.0)
+    sim.add_argument("--sim-dead", action="store_true", help="start with a dead engine")
+    sim.add_argument("--sim-ignore-stop", action="store_true", help="ignore stop strings (a broken server)")
+    sim.add_argument("--log-level", default="INFO")
+
+
+def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    chunked = bool(args.enable_chunked_prefill)
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = 8192 if chunked else max(args.max_model_len, 2048)
+    engine = EngineConfig(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        enable_prefix_caching=bool(args.enable_prefix_caching),
+        enable_chunked_prefill=chunked,
+        step_base_ms=args.sim_step_base_ms,
+        prefill_token_ms=args.sim_prefill_token_ms,
+        running_seq_ms=args.sim_running_seq_ms,
+        noise=args.sim_noise,
+        mean_output_tokens=args.sim_mean_output_tokens,
+        seed=args.seed,
+    )
+    faults = Faults(
+        error_rate=args.sim_error_rate,
+        error_status=args.sim_error_status,
+        stall_after_tokens=args.sim_stall_after_tokens,
+        drop_after_tokens=args.sim_drop_after_tokens,
+        first_byte_delay_ms=args.sim_first_byte_delay_ms,
+        malformed_chunk_rate=args.sim_malformed_chunk_rate,
+        dead=args.sim_dead,
+        ignore_stop=args.sim_ignore_stop,
+    )
+    return SimSettings(
+        model=args.model,
+        served_model_names=list(args.served_model_name),
+        host=args.host,
+        port=args.port,
+        engine=engine,
+        chat_template=args.chat_template,
+        tokenizer=args.tokenizer,
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        startup_delay_s=args.sim_startup_delay,
+        faults=faults,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for flag, _ in IGNORED_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            log.info("ignoring %s=%s (no GPU here)", flag, value)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(_run(settings))
+
+
+async def _run(settings: SimSettings) -> int:
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel if task is not None else lambda: None)
+    try:
+        await serve(settings)
+    except asyncio.CancelledError:
+        log.info("stopped")
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    finally:
+        with contextlib.suppress(Exception):
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,690 @@
+"""The simulator's HTTP server (aiohttp): vLLM 0.33's OpenAI-compatible routes, /metrics, admin and debug.
+
+Response bodies follow vLLM's pydantic models as serialized by its API server, field for field and in
+order (streamed chunks with exclude_unset, the final usage chunk with exclude_none). Chunks are built by
+string formatting (json.dumps only for the text delta), which keeps one core streaming tens of thousands
+of tokens per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+
+from servedmodel.sim.engine import Engine, EngineConfig, EngineLoop, Request, eos_point
+from servedmodel.sim.faults import Faults
+from servedmodel.sim.metrics import CONTENT_TYPE, SimMetrics
+from servedmodel.sim.templates import ChatTemplate, ChatTemplateError, default_template_name, last_user_text
+from servedmodel.sim.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("servedmodel.sim")
+
+VLLM_VERSION = "0.33.0"
+FALLBACK_TEXT = "The quick brown fox jumps over the lazy dog."
+THINK_TEXT = "<think>\nThe user wants an answer. I will answer.\n</think>\n\n"
+ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclasses.dataclass
+class SimSettings:
+    """Everything `servedmodel sim` is started with."""
+
+    model: str = "Qwen/Qwen2.5-7B-Instruct"
+    served_model_names: list[str] = dataclasses.field(default_factory=list)
+    host: str = "0.0.0.0"
+    port: int = 8000
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    chat_template: str | None = None
+    tokenizer: str | None = None
+    api_key: str | None = None
+    startup_delay_s: float = 0.0
+    faults: Faults = dataclasses.field(default_factory=Faults)
+
+    @property
+    def names(self) -> list[str]:
+        return self.served_model_names or [self.model]
+
+
+class ApiError(Exception):
+    """An error answered as vLLM's ErrorResponse JSON."""
+
+    def __init__(
+        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _validation_error(message: str, param: str, input_summary: str) -> ApiError:
+    """A request-model validator's error as vLLM's FastAPI handler words it (400 "Bad Request")."""
+    msg = f"Value error, {message} (parameter={param})"
+    err = {
+        "type": "value_error",
+        "loc": "body",
+        "msg": msg,
+        "input": input_summary,
+        "ctx": {"error": f"VLLMValidationError('{message}')"},
+    }
+    text = "1 validation error:\n  " + str(err).replace(
+        "\"VLLMValidationError('", "VLLMValidationError('"
+    ).replace("')\"}", "')}")
+    return ApiError(400, text, HTTPStatus.BAD_REQUEST.phrase, param)
+
+
+class Simulator:
+    """Engine + tokenizer + template + metrics + faults, and the aiohttp routes over them."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        cfg = settings.engine
+        if cfg.num_gpu_blocks * cfg.block_size < cfg.max_model_len:
+            raise ValueError(
+                f"KV cache of {cfg.num_gpu_blocks} blocks of {cfg.block_size} tokens cannot hold one "
+                f"sequence of max_model_len={cfg.max_model_len} tokens; "
+                "lower --max-model-len or raise --num-gpu-blocks"
+            )
+        self.model_name = settings.names[0]
+        self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
+        self.template = ChatTemplate(settings.chat_template or default_template_name(settings.model))
+        self._template_spec = settings.chat_template
+        cache_info = {
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "gpu_memory_utilization": "0.92",
+            "is_attention_free": "False",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(cfg.num_gpu_blocks),
+            "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
+            "prefix_caching_hash_algo": "sha256",
+            "sliding_window": "None",
+        }
+        self.metrics = SimMetrics(self.model_name, cfg.max_model_len, cache_info)
+        self.engine = Engine(cfg, self.tokenizer, self.metrics)
+        self.loop = EngineLoop(self.engine)
+        self.faults = settings.faults
+        self.rng = random.Random(cfg.seed + 1)
+        self.ready_at = time.monotonic() + settings.startup_delay_s
+        self.created = int(time.time())
+        self._plan_cache: dict[str, list[int]] = {}
+
+    # -- app -----------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/ping", self.health)
+        r.add_post("/ping", self.health)
+        r.add_get("/version", self.version)
+        r.add_get("/metrics", self.metrics_endpoint)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/debug/requests", self.debug_requests)
+        r.add_get("/debug/engine", self.debug_engine)
+        r.add_post("/debug/reset", self.debug_reset)
+        r.add_get("/admin/faults", self.get_faults)
+        r.add_post("/admin/faults", self.post_faults)
+        r.add_get("/admin/config", self.get_config)
+        r.add_post("/admin/config", self.post_config)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _: web.Application) -> None:
+        self.loop.start()
+
+    async def _on_cleanup(self, _: web.Application) -> None:
+        await self.loop.stop()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.monotonic()
+        path = request.path
+        status = 500
+        try:
+            key = self.settings.api_key
+            if key and path.startswith("/v1") and request.headers.get("Authorization", "") != f"Bearer {key}":
+                status = 401
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            if (
+                time.monotonic() < self.ready_at
+                and not path.startswith("/admin")
+                and not path.startswith("/debug")
+                and path != "/metrics"
+            ):
+                status = 503
+                return web.Response(status=503)
+            try:
+                response = await handler(request)
+            except ApiError as exc:
+                response = exc.response()
+            status = response.status
+            return response
+        finally:
+            if path.startswith(("/v1", "/health", "/ping", "/tokenize", "/detokenize", "/version")):
+                self.metrics.observe_http(path, request.method, status, time.monotonic() - started)
+
+    # -- plain endpoints -----------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=503 if self.faults.dead else 200)
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE
+        return resp
+
+    async def models(self, _: web.Request) -> web.Response:
+        data = []
+        for name in self.settings.names:
+            perm = {
+                "id": f"modelperm-{uuid.uuid4().hex}",
+                "object": "model_permission",
+                "created": self.created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "vllm",
+                    "root": self.settings.model,
+                    "parent": None,
+                    "max_model_len": self.settings.engine.max_model_len,
+                    "permission": [perm],
+                }
+            )
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        self._check_model(body)
+        if "messages" in body:
+            prompt = self._render(body)
+        elif isinstance(body.get("prompt"), str):
+            prompt = body["prompt"]
+        else:
+            raise ApiError(400, "Either `prompt` or `messages` must be given.", param="prompt")
+        ids = self.tokenizer.encode(prompt)
+        strs = [self.tokenizer.token_str(i) for i in ids] if body.get("return_token_strs") else None
+        return web.json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.settings.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            },
+            dumps=_dumps,
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ApiError(400, "`tokens` must be a list of token ids.", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)}, dumps=_dumps)
+
+    # -- admin and ground truth ----------------------------------------------------------------------
+    async def debug_requests(self, request: web.Request) -> web.Response:
+        limit = int(request.query.get("limit", "100"))
+        items = list(self.engine.finished_log)[-limit:] if limit > 0 else []
+        return web.json_response(items, dumps=_dumps)
+
+    async def debug_engine(self, _: web.Request) -> web.Response:
+        snap: dict[str, Any] = self.engine.snapshot()
+        snap.update(self.loop.lateness.summary())
+        snap["now"] = time.monotonic()
+        return web.json_response(snap, dumps=_dumps)
+
+    async def debug_reset(self, _: web.Request) -> web.Response:
+        self.engine.finished_log.clear()
+        self.loop.lateness.reset()
+        return web.json_response({"reset": True})
+
+    async def get_faults(self, _: web.Request) -> web.Response:
+        return web.json_response(self.faults.as_dict(), dumps=_dumps)
+
+    async def post_faults(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if body.pop("reset", False):
+            self.faults.__init__()  # type: ignore[misc]
+        try:
+            self.faults.update(body)
+            if "chat_template" in body:
+                spec = self.faults.chat_template or self._template_spec
+                self.template = ChatTemplate(spec or default_template_name(self.settings.model))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        if self.faults.dead:
+            for req in self.engine.abort_all("error", time.monotonic()):
+                req.error = ENGINE_DEAD_MESSAGE
+        log.info("faults now %s", self.faults.as_dict())
+        return web.json_response(self.faults.as_dict(), dumps=_dumps)
+
+    async def get_config(self, _: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(self.settings.engine), dumps=_dumps)
+
+    async def post_config(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        cfg = self.settings.engine
+        unknown = sorted(set(body) - set(EngineConfig.RUNTIME_KNOBS))
+        if unknown:
+            raise ApiError(400, f"not changeable at run time: {', '.join(unknown)}")
+        for key, value in body.items():
+            setattr(cfg, key, type(getattr(cfg, key))(value))
+        self.loop.kick()
+        return web.json_response(dataclasses.asdict(cfg), dumps=_dumps)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"JSON decode error: {exc}", HTTPStatus.BAD_REQUEST.phrase, "body") from exc
+        if not isinstance(body, dict):
+            raise ApiError(
+                400, "The request body must be a JSON object.", HTTPStatus.BAD_REQUEST.phrase, "body"
+            )
+        return body
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model and model not in self.settings.names:
+            names = ", ".join(self.settings.names)
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {names}.",
+                "NotFoundError",
+                "model",
+            )
+
+    def _render(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "`messages` must be a non-empty list of message objects.", param="messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "`chat_template_kwargs` must be an object.", param="chat_template_kwargs")
+        try:
+            return self.template.render(
+                messages,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                tools=body.get("tools"),
+                chat_template_kwargs=kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"Chat template error: {exc}", param="messages") from exc
+
+    def _door(self, body: dict[str, Any]) -> None:
+        """Checks every request meets before the engine: faults at the door, stream_options, model."""
+        if self.faults.dead:
+            raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
+        if self.faults.hit(self.rng, self.faults.error_rate):
+            status = self.faults.error_status
+            phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+            raise ApiError(
+                status, f"Simulated failure ({status} {phrase}).", phrase.replace(" ", "") + "Error"
+            )
+        if body.get("stream_options") and not body.get("stream"):
+            raise _validation_error(
+                "Stream options can only be defined when `stream=True`.",
+                "stream_options",
+                f"<dict of {len(body)} items>",
+            )
+        self._check_model(body)
+
+    def _check_length(self, prompt_ids: list[int]) -> None:
+        limit = self.settings.engine.max_model_len
+        n = len(prompt_ids)
+        if n > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains {n} "
+                "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                f"length of the input prompt. (parameter=input_tokens, value={n})",
+                "BadRequestError",
+                "input_tokens",
+            )
+
+    def _check_chars(self, text: str) -> None:
+        """vLLM refuses absurdly long text before tokenizing it (longest token * max_model_len characters)."""
+        limit_tokens = self.settings.engine.max_model_len
+        bound = limit_tokens * self.tokenizer.max_token_chars
+        if len(text) > bound:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit_tokens} tokens. However, your prompt "
+                f"contains {len(text)} characters (more than {bound} characters, which is the upper bound "
+                f"for {limit_tokens} input tokens). Please reduce the length of the input prompt. "
+                f"(parameter=input_text, value={len(text)})",
+                "BadRequestError",
+                "input_text",
+            )
+
+    def _new_request(
+        self, body: dict[str, Any], prompt_ids: list[int], echo_source: str, arrival: float, request_id: str,
+        thinking: bool,
+    ) -> Request:  # fmt: skip
+        cfg = self.settings.engine
+        max_tokens_param = body.get("max_completion_tokens")
+        if max_tokens_param is None:
+            max_tokens_param = body.get("max_tokens")
+        room = cfg.max_model_len - len(prompt_ids)
+        if max_tokens_param is not None and (not isinstance(max_tokens_param, int) or max_tokens_param < 1):
+            raise ApiError(
+                400,
+                f"max_tokens must be at least 1, got {max_tokens_param}. "
+                f"(parameter=max_tokens, value={max_tokens_param})",
+                param="max_tokens",
+            )
+        max_tokens = max(1, min(room, max_tokens_param)) if max_tokens_param is not None else max(1, room)
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        stop_ids = body.get("stop_token_ids") or []
+        min_tokens = int(body.get("min_tokens") or 0)
+        source = echo_source.strip() or FALLBACK_TEXT
+        cycle = self._plan_cache.get(source)
+        if cycle is None:
+            cycle = self.tokenizer.encode(source + " ")
+            if len(self._plan_cache) > 4096:
+                self._plan_cache.clear()
+            self._plan_cache[source] = cycle
+        prefix = self.tokenizer.encode(THINK_TEXT) if thinking else []
+        one_pass = len(prefix) + len(self.tokenizer.encode(source))
+        req = Request(
+            request_id,
+            prompt_ids,
+            max_tokens=max_tokens,
+            plan_cycle=cycle,
+            plan_prefix=prefix,
+            eos_at=eos_point(prompt_ids, one_pass, cfg.mean_output_tokens, cfg.seed),
+            eos_token_id=self.tokenizer.eos_token_id,
+            min_tokens=min_tokens,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            stop=[str(s) for s in stop],
+            stop_token_ids=[int(t) for t in stop_ids],
+            ignore_stop=self.faults.ignore_stop,
+            arrival=arrival,
+        )
+        req.max_tokens_param = max_tokens_param
+        return req
+
+    # -- generation ----------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await self._json(request)
+        self._door(body)
+        if self.faults.first_byte_delay_ms > 0:
+            await asyncio.sleep(self.faults.first_byte_delay_ms / 1000.0)
+        if chat:
+            prompt = self._render(body)
+            echo = last_user_text(body["messages"])
+            kwargs = body.get("chat_template_kwargs") or {}
+            thinking = self.template.is_qwen3 and kwargs.get("enable_thinking", True) is not False
+        else:
+            raw = body.get("prompt")
+            if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+                raw = raw[0]
+            if isinstance(raw, list) and all(isinstance(t, int) for t in raw):
+                prompt = self.tokenizer.decode(raw)
+            elif isinstance(raw, str):
+                prompt = raw
+            else:
+                raise ApiError(400, "`prompt` must be a string or a list of token ids.", param="prompt")
+            echo, thinking = prompt, False
+        self._check_chars(prompt)
+        prompt_ids = (
+            list(body["prompt"]) if not chat and isinstance(body.get("prompt"), list) and prompt and
+            all(isinstance(t, int) for t in body["prompt"]) else self.tokenizer.encode(prompt)
+        )  # fmt: skip
+        self._check_length(prompt_ids)
+        base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = ("chatcmpl-" if chat else "cmpl-") + base_id
+        # Arrival = handed to the engine, as vLLM stamps it: the door (render, tokenize) comes before.
+        req = self._new_request(body, prompt_ids, echo, time.monotonic(), request_id, thinking)
+        if req.request_id in self.engine.requests:
+            req.request_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        wake = asyncio.Event()
+        req.notify = wake.set
+        stream = bool(body.get("stream", False))
+        try:
+            self.engine.add(req)
+            self.loop.kick()
+            if stream:
+                return await self._stream(request, body, req, wake, chat)
+            return await self._full(body, req, wake, chat)
+        finally:
+            if not req.finished:
+                self.engine.abort(req.request_id, "abort", time.monotonic())
+                self.loop.kick()
+
+    async def _full(
+        self, body: dict[str, Any], req: Request, wake: asyncio.Event, chat: bool
+    ) -> web.Response:
+        while not req.finished:
+            await wake.wait()
+            wake.clear()
+        if req.error:
+            raise ApiError(500, req.error, "InternalServerError")
+        model = body.get("model") or self.model_name
+        prompt_tokens = len(req.prompt_ids)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + req.completion_tokens,
+            "completion_tokens": req.completion_tokens,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+        created = int(time.time())
+        out: dict[str, Any]
+        if chat:
+            message = {
+                "role": "assistant",
+                "content": req.text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": req.stop_reason,
+                "token_ids": None,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+            out = {"id": req.request_id, "object": "chat.completion", "created": created, "model": model}
+            out.update(choices=[choice], service_tier=None, system_fingerprint=None, usage=usage)
+            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        else:
+            choice = {
+                "index": 0,
+                "text": req.text,
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": req.stop_reason,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+            out = {"id": req.request_id, "object": "text_completion", "created": created, "model": model}
+            out.update(choices=[choice], service_tier=None, system_fingerprint=None, usage=usage)
+        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return web.json_response(out, dumps=_dumps)
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], req: Request, wake: asyncio.Event, chat: bool
+    ) -> web.StreamResponse:
+        opts = body.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage"))
+        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+        model = _dumps(body.get("model") or self.model_name)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = f'data: {{"id":"{req.request_id}","object":"{obj}","created":{created},"model":{model},'
+        head += '"choices":['
+        prompt_tokens = len(req.prompt_ids)
+        faults = self.faults
+
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+
+        def usage(completion: int, tail: str = "") -> str:
+            return (
+                f'"usage":{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion},'
+                f'"completion_tokens":{completion}{tail}}}'
+            )
+
+        details = ',"completion_tokens_details":null' if chat else ""
+        sent_tokens = 0
+        first = True
+        while True:
+            await wake.wait()
+            wake.clear()
+            if req.error:
+                err = ApiError(500, req.error, "InternalServerError").body()
+                await resp.write(f"data: {_dumps(err)}\n\ndata: [DONE]\n\n".encode())
+                return resp
+            delta, ntok = req.take_delta()
+            done = req.finished
+            if not ntok and not done:
+                continue
+            sent_tokens += ntok
+            parts: list[str] = []
+            cu = "," + usage(sent_tokens, details) if continuous else ""
+            if chat and first:
+                cu0 = "," + usage(0, details) if continuous else ""
+                parts.append(
+                    head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+                    f'"finish_reason":null}}]{cu0},"prompt_token_ids":null,"prompt_text":null}}\n\n'
+                )
+            first = False
+            text = _dumps(delta)
+            if done:
+                reason = _dumps(req.finish_reason if req.finish_reason != "abort" else "abort")
+                stop_reason = _dumps(req.stop_reason)
+                if chat:
+                    choice = (
+                        f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason},'
+                        f'"stop_reason":{stop_reason},"token_ids":null,"weight_versions":null}}'
+                    )
+                else:
+                    choice = (
+                        f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},'
+                        f'"stop_reason":{stop_reason},"prompt_token_ids":null,"token_ids":null,'
+                        '"weight_versions":null}'
+                    )
+                parts.append(f'{head}{choice}]{cu},"kv_transfer_params":null}}\n\n')
+                if include_usage:
+                    parts.append(f"{head}],{usage(req.completion_tokens)}}}\n\n")
+                parts.append("data: [DONE]\n\n")
+            elif delta or not chat:
+                if faults.malformed_chunk_rate and faults.hit(self.rng, faults.malformed_chunk_rate):
+                    parts.append(
+                        f'{head}{{"index":0,"delta":{{"content":{text[: max(1, len(text) // 2)]}\n\n'
+                    )
+                elif chat:
+                    parts.append(
+                        f'{head}{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null,'
+                        f'"token_ids":null}}]{cu},"kv_transfer_params":null}}\n\n'
+                    )
+                else:
+                    parts.append(
+                        f'{head}{{"index":0,"text":{text},"logprobs":null,"finish_reason":null,"stop_reason":null,'
+                        f'"prompt_token_ids":null,"token_ids":null,"weight_versions":null}}]{cu},'
+                        '"kv_transfer_params":null}\n\n'
+                    )
+            if parts:
+                await resp.write("".join(parts).encode())
+            if done:
+                await resp.write_eof()
+                return resp
+            if faults.drop_after_tokens is not None and sent_tokens >= faults.drop_after_tokens:
+                self.engine.abort(req.request_id, "abort", time.monotonic())
+                if request.transport is not None:
+                    request.transport.close()  # mid-body: the client sees a truncated chunked response
+                return resp
+            if faults.stall_after_tokens is not None and sent_tokens >= faults.stall_after_tokens:
+                # The stream goes silent with the connection open, until the client gives up.
+                await asyncio.Event().wait()
+
+
+async def serve(settings: SimSettings, *, ready: Callable[[int], None] | None = None) -> None:
+    """Run until cancelled: bind, start the engine loop, answer requests."""
+    sim = Simulator(settings)
+    runner = web.AppRunner(sim.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    await site.start()
+    port = settings.port
+    server = getattr(site, "_server", None)
+    if server is not None and server.sockets:
+        port = server.sockets[0].getsockname()[1]
+    log.info("simulating %s as %s on http://%s:%d", settings.model, settings.names, settings.host, port)
+    if ready is not None:
+        ready(port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
