@@ -118,6 +118,18 @@ class PrometheusMetrics:
         r = await self._query(q)
         return float(r[0]["value"][1]) if r else None
 
+    async def wait_for_series(self, timeout_s: float) -> None:
+        """Until Prometheus has scraped the engine at least twice (a fresh target), bounded."""
+        deadline = time.monotonic() + timeout_s
+        q = f"count_over_time(vllm:num_requests_running{{{selector(self.model, self.namespace)}}}[1m])"
+        while True:
+            r = await self._query(q)
+            if r and float(r[0]["value"][1]) >= 2:
+                return
+            if time.monotonic() >= deadline:
+                raise ProbeFailure(er.PROBE_TIMEOUT, f"Prometheus has no series after {timeout_s:g} s")
+            await asyncio.sleep(SETTLE_POLL_S)
+
     async def settled(self, before: MetricsSnapshot, requests: int, ended_wall: float) -> MetricsSnapshot:
         """Wait (bounded) for a scrape after the probe ended and for its requests to be counted."""
         deadline = time.monotonic() + self.settle_timeout_s

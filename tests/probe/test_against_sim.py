@@ -1,0 +1,349 @@
+"""The probe against the simulator over loopback: every check passing and failing, every failure mode
+with its own reason, server/client correlation against the simulator's ground truth, the Prometheus
+source, and the one-shot CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from probe_support import SIM_ARGS, PrometheusServer, set_faults
+
+from servedmodel.api.probe import ProbeSpec
+from servedmodel.probe import errors as er
+from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
+from servedmodel.probe.endpoints import resolve_external
+from servedmodel.probe.prometheus import PrometheusMetrics
+from servedmodel.probe.report import build_status, probe_conditions
+from servedmodel.sim.process import SimulatorProcess
+
+
+async def probe(url: str, *, model: str | None = "qwen", metrics: bool = True, **spec: Any) -> ProbeOutcome:
+    s = ProbeSpec.model_validate(spec)
+    target = resolve_external(url)
+    async with probe_client(s) as client:
+        reader = PodMetrics(client, target.metrics_urls, model) if metrics else None
+        return await run_probe(client, target, s, model=model, metrics=reader)
+
+
+def ground_truth(sim: SimulatorProcess, request_id_part: str) -> dict[str, Any]:
+    rows = httpx.get(f"{sim.base_url}/debug/requests", params={"limit": 50}, timeout=5).json()
+    return next(r for r in rows if request_id_part in r["request_id"])
+
+
+def checks_of(out: ProbeOutcome) -> dict[str, tuple[str, str]]:
+    return {k: (c.result, c.reason) for k, c in out.checks.items()}
+
+
+async def test_healthy_engine_passes_every_check(faults: SimulatorProcess) -> None:
+    out = await probe(faults.base_url)
+    assert out.failure is None, out.failure
+    assert checks_of(out) == {
+        "limits": ("Pass", "OversizedPromptRejected"),
+        "template": ("Pass", "PromptTokensMatch"),
+        "stop": ("Pass", "StoppedAtStop"),
+        "usage": ("Pass", "CountersMatch"),
+    }
+    t = out.timing
+    assert t is not None
+    assert t.finish_reason == "stop"
+    assert t.stop_reason == "five"
+    assert "five" not in t.content
+    assert out.isolated is True
+    assert out.max_model_len == 2048
+    # The probe's usage and the simulator's ground truth agree token for token.
+    assert t.usage is not None
+    truth = ground_truth(faults, "probe-")
+    assert t.usage["prompt_tokens"] == truth["prompt_tokens"] == out.tokenize_count
+    assert t.usage["completion_tokens"] == truth["completion_tokens"]
+    st = build_status(out, ProbeSpec(), None)
+    assert st.server is not None
+    assert st.server.requests == 1
+    assert st.server.queue_ms is not None
+    assert st.server.prefill_ms is not None
+    assert st.server.decode_ms is not None
+    assert st.scheduler is not None
+    assert st.scheduler.running == 0
+    conds = {c.type: c.status for c in probe_conditions(st, ProbeSpec(), [], 1, out.started)}
+    assert conds == {"Serving": "True", "TemplateOK": "True"}
+
+
+async def test_probe_figures_track_ground_truth(faults: SimulatorProcess) -> None:
+    """Client TTFT/TPOT and server phases against the simulator's own timeline for the same request.
+    Loose bounds (a shared machine): the precise error figures live in bench/probe_accuracy.py."""
+    out = await probe(faults.base_url)
+    assert out.failure is None
+    assert out.figures is not None
+    assert out.figures.ttft_ms is not None
+    assert out.figures.tpot_ms is not None
+    async with httpx.AsyncClient(timeout=5) as c:
+        rows = (await c.get(f"{faults.base_url}/debug/requests", params={"limit": 1})).json()
+    truth = rows[-1]
+    assert truth["request_id"].startswith("chatcmpl-probe-")
+    true_tpot = truth["decode_ms"] / (truth["completion_tokens"] - 1)
+    # the client sees everything the server does, plus the wire: never less than ~the truth
+    assert out.figures.ttft_ms == pytest.approx(truth["ttft_ms"], abs=max(5.0, truth["ttft_ms"]))
+    assert out.figures.tpot_ms == pytest.approx(true_tpot, rel=0.5)
+    assert out.window is not None
+    assert out.window.phases_ms["queue"] == pytest.approx(truth["queue_ms"], abs=0.01)
+    assert out.window.phases_ms["prefill"] == pytest.approx(truth["prefill_ms"], abs=0.01)
+    assert out.window.phases_ms["decode"] == pytest.approx(truth["decode_ms"], abs=0.01)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_connection_refused() -> None:
+    out = await probe(f"http://127.0.0.1:{closed_port()}")
+    assert out.failure is not None
+    assert out.failure.reason == er.CONNECTION_REFUSED
+
+
+@pytest.mark.usefixtures("no_dns_traffic")
+async def test_dns_failure() -> None:
+    out = await probe("http://engine.probe-test.invalid:8000")
+    assert out.failure is not None
+    assert out.failure.reason == er.DNS_FAILURE
+
+
+@pytest.fixture
+def full_backlog() -> Iterator[int]:
+    """A loopback listener whose accept queue is full: new SYNs are dropped, so connect times out."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = int(srv.getsockname()[1])
+    fillers = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        fillers.append(c)
+    try:
+        yield port
+    finally:
+        for c in fillers:
+            c.close()
+        srv.close()
+
+
+async def test_connect_timeout(full_backlog: int) -> None:
+    out = await probe(f"http://127.0.0.1:{full_backlog}", connectTimeout=0.3)
+    assert out.failure is not None
+    assert out.failure.reason == er.CONNECT_TIMEOUT
+
+
+async def test_first_byte_timeout(faults: SimulatorProcess) -> None:
+    set_faults(faults, first_byte_delay_ms=3000)
+    out = await probe(faults.base_url, firstByteTimeout=0.3)
+    assert out.failure is not None
+    assert out.failure.reason == er.FIRST_BYTE_TIMEOUT
+
+
+async def test_stream_stall(faults: SimulatorProcess) -> None:
+    set_faults(faults, stall_after_tokens=2)
+    out = await probe(faults.base_url, firstByteTimeout=0.5)
+    assert out.failure is not None
+    assert out.failure.reason == er.STREAM_STALLED
+
+
+async def test_total_timeout(faults: SimulatorProcess) -> None:
+    set_faults(faults, stall_after_tokens=2)
+    out = await probe(faults.base_url, timeout=1, firstByteTimeout=30)
+    assert out.failure is not None
+    assert out.failure.reason == er.PROBE_TIMEOUT
+
+
+async def test_server_error_status(faults: SimulatorProcess) -> None:
+    set_faults(faults, error_rate=1.0, error_status=500)
+    out = await probe(faults.base_url)
+    assert out.failure is not None
+    assert out.failure.reason == er.UNEXPECTED_STATUS
+    assert "500" in out.failure.message
+
+
+async def test_wrong_model_is_not_served(faults: SimulatorProcess) -> None:
+    out = await probe(faults.base_url, model="llama")
+    assert out.failure is not None
+    assert out.failure.reason == er.MODEL_NOT_SERVED
+    assert "qwen" in out.failure.message
+
+
+async def test_chat_404_is_model_not_served(faults: SimulatorProcess) -> None:
+    set_faults(faults, error_rate=1.0, error_status=404)
+    out = await probe(faults.base_url)
+    assert out.failure is not None
+    assert out.failure.reason == er.MODEL_NOT_SERVED
+
+
+async def test_malformed_chunk(faults: SimulatorProcess) -> None:
+    set_faults(faults, malformed_chunk_rate=1.0)
+    out = await probe(faults.base_url)
+    assert out.failure is not None
+    assert out.failure.reason == er.MALFORMED_STREAM
+
+
+async def test_stream_cut_before_done(faults: SimulatorProcess) -> None:
+    set_faults(faults, drop_after_tokens=2)
+    out = await probe(faults.base_url)
+    assert out.failure is not None
+    assert out.failure.reason == er.STREAM_CUT
+
+
+async def test_dead_engine(faults: SimulatorProcess) -> None:
+    set_faults(faults, dead=True)
+    out = await probe(faults.base_url)
+    assert out.failure is not None
+    assert out.failure.reason == er.ENGINE_UNHEALTHY
+
+
+async def test_template_mismatch_fails_template_check(faults: SimulatorProcess) -> None:
+    set_faults(faults, chat_template="llama3")
+    out = await probe(faults.base_url)
+    assert out.failure is None
+    assert checks_of(out)["template"] == ("Fail", "RoleMarkersMissing")
+    st = build_status(out, ProbeSpec(), None)
+    conds = {c.type: (c.status, c.reason) for c in probe_conditions(st, ProbeSpec(), [], 1, out.started)}
+    assert conds["TemplateOK"] == ("False", "RoleMarkersMissing")
+    assert conds["Serving"] == ("True", "ChatCompletionSucceeded")
+
+
+async def test_server_ignoring_stop_fails_stop_check(faults: SimulatorProcess) -> None:
+    set_faults(faults, ignore_stop=True)
+    out = await probe(faults.base_url)
+    assert out.failure is None
+    assert checks_of(out)["stop"] == ("Fail", "StopIgnored")
+
+
+async def test_limits_check_can_be_turned_off(faults: SimulatorProcess) -> None:
+    out = await probe(faults.base_url, checkLimits=False, stop=[])
+    assert checks_of(out)["limits"] == ("Skipped", "Disabled")
+    assert checks_of(out)["stop"] == ("Skipped", "NoStopString")
+
+
+async def test_shared_window_is_not_isolated(faults: SimulatorProcess) -> None:
+    """Other clients (the official openai SDK) finish requests while the probe runs."""
+    client = openai.AsyncOpenAI(base_url=f"{faults.base_url}/v1", api_key="unused", timeout=30, max_retries=0)
+    stop = asyncio.Event()
+
+    async def traffic() -> int:
+        n = 0
+        while not stop.is_set():
+            await client.chat.completions.create(
+                model="qwen", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            n += 1
+        return n
+
+    tasks = [asyncio.create_task(traffic()) for _ in range(3)]
+    try:
+        await asyncio.sleep(0.05)
+        out = await probe(faults.base_url)
+    finally:
+        stop.set()
+        sent = sum(await asyncio.gather(*tasks))
+        await client.close()
+    assert sent > 0
+    assert out.failure is None
+    assert out.isolated is False
+    st = build_status(out, ProbeSpec(), None)
+    assert st.server is not None
+    assert st.server.isolated is False
+    assert (st.server.requests or 0) > 1
+    assert "window averages" in (st.message or "")
+    assert checks_of(out)["usage"] == ("Pass", "UsageConsistent")
+
+
+async def test_two_requests_in_flight(faults: SimulatorProcess) -> None:
+    out = await probe(faults.base_url, maxInFlight=2)
+    assert out.failure is None
+    assert len(out.timings) == 2
+    assert out.isolated is True
+    assert checks_of(out)["usage"] == ("Pass", "CountersMatch")
+
+
+async def test_api_key_is_sent_and_never_written(caplog: pytest.LogCaptureFixture) -> None:
+    key = "sk-probe-secret-0123456789"
+    caplog.set_level(logging.DEBUG)
+    with SimulatorProcess([*SIM_ARGS, "--api-key", key], ready_timeout=60) as sim:
+        spec = ProbeSpec()
+        target = resolve_external(sim.base_url)
+        async with probe_client(spec) as client:
+            denied = await run_probe(client, target, spec, model="qwen")
+            ok = await run_probe(
+                client,
+                target,
+                spec,
+                model="qwen",
+                api_key=key,
+                metrics=PodMetrics(client, [sim.base_url], "qwen"),
+            )
+    assert denied.failure is not None
+    assert denied.failure.reason == er.UNAUTHORIZED
+    assert ok.failure is None, ok.failure
+    for out in (denied, ok):
+        dumped = json.dumps(build_status(out, spec, None).model_dump(by_alias=True))
+        assert key not in dumped
+    assert key not in caplog.text
+
+
+def test_cli_prints_waterfall_and_json(faults: SimulatorProcess) -> None:
+    cmd = [sys.executable, "-m", "servedmodel.cli", "probe", f"{faults.base_url}/v1", "--model", "qwen"]
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert table.returncode == 0, table.stderr
+    for phase in ("door", "queue", "prefill", "decode", "stop", "TTFT", "TPOT"):
+        assert f"\n{phase} " in table.stdout
+    assert "OversizedPromptRejected" in table.stdout
+    js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert js.returncode == 0, js.stderr
+    doc = json.loads(js.stdout)
+    assert doc["status"]["result"] == "Success"
+    assert [r["phase"] for r in doc["waterfall"]][:5] == ["door", "queue", "prefill", "decode", "stop"]
+    assert doc["status"]["checks"]["stop"]["result"] == "Pass"
+
+
+def test_cli_exit_codes(faults: SimulatorProcess) -> None:
+    set_faults(faults, ignore_stop=True)
+    cmd = [sys.executable, "-m", "servedmodel.cli", "probe", faults.base_url]
+    assert subprocess.run(cmd, capture_output=True, timeout=60, check=False).returncode == 2
+    refused = [sys.executable, "-m", "servedmodel.cli", "probe", f"http://127.0.0.1:{closed_port()}"]
+    assert subprocess.run(refused, capture_output=True, timeout=60, check=False).returncode == 1
+
+
+@pytest.mark.prometheus
+async def test_prometheus_source(faults: SimulatorProcess, prometheus: PrometheusServer) -> None:
+    spec = ProbeSpec(timeout=20)
+    target = resolve_external(faults.base_url)
+    reader = PrometheusMetrics(prometheus.base_url, model="qwen", namespace="probe-ns", settle_timeout_s=15)
+    await reader.wait_for_series(timeout_s=30)
+    async with probe_client(spec) as client:
+        out = await run_probe(client, target, spec, model="qwen", metrics=reader)
+    assert out.failure is None, out.failure
+    assert out.metrics_error is None, out.metrics_error
+    st = build_status(out, spec, None)
+    assert st.scheduler is not None
+    assert st.scheduler.running is not None
+    assert st.counters is not None
+    assert (st.counters.prompt_tokens_total or 0) > 0
+    assert st.server is not None
+    assert st.server.isolated is True
+    assert st.server.decode_ms is not None
+    assert checks_of(out)["usage"] == ("Pass", "CountersMatch")
+    # another namespace's series are not this model's
+    other = PrometheusMetrics(prometheus.base_url, model="qwen", namespace="elsewhere")
+    with pytest.raises(er.ProbeFailure):
+        await other.snapshot()
