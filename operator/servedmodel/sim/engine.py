@@ -359,6 +359,8 @@ class Engine:
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.max_waiting = 0  # high-water marks since start (or /debug/reset)
+        self.max_running = 0
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -449,6 +451,8 @@ class Engine:
             budget -= num_new
             prefill_tokens += num_new
 
+        self.max_waiting = max(self.max_waiting, len(self.waiting))
+        self.max_running = max(self.max_running, len(self.running))
         if not scheduled:
             return None
         duration_ms = (
@@ -559,6 +563,8 @@ class Engine:
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            "max_waiting": self.max_waiting,
+            "max_running": self.max_running,
         }
 
 

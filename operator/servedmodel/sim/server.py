@@ -286,6 +286,8 @@ class Simulator:
 
     async def debug_reset(self, _: web.Request) -> web.Response:
         self.engine.finished_log.clear()
+        self.engine.max_waiting = len(self.engine.waiting)
+        self.engine.max_running = len(self.engine.running)
         self.loop.lateness.reset()
         return web.json_response({"reset": True})
 
@@ -665,7 +667,10 @@ class Simulator:
                     request.transport.close()  # mid-body: the client sees a truncated chunked response
                 return resp
             if faults.stall_after_tokens is not None and sent_tokens >= faults.stall_after_tokens:
-                # The stream goes silent with the connection open, until the client gives up.
+                # The stream goes silent with the connection open until the client gives up. The engine side
+                # ends now (counted as an abort), so a stalled probe does not leak into the next window.
+                self.engine.abort(req.request_id, "abort", time.monotonic())
+                self.loop.kick()
                 await asyncio.Event().wait()
 
 
