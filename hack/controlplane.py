@@ -361,6 +361,23 @@ def gpu_node(name: str = GPU_NODE, gpus: int = 8) -> dict[str, Any]:
     }
 
 
+def fake_volume(name: str, size: str = "10Ti") -> dict[str, Any]:
+    """A PersistentVolume nothing mounts (kwok runs no containers): unclassed PVCs (the weight cache)
+    bind to it, so Pods that claim one still schedule. Retain: each binds once per control plane."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name, "labels": {"type": "kwok"}},
+        "spec": {
+            "capacity": {"storage": size},
+            "accessModes": ["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "hostPath": {"path": f"/nonexistent/{name}"},
+        },
+    }
+
+
 class _Launcher:
     def __init__(self, directory: Path, bin_dir: Path, detach: bool) -> None:
         self.dir = directory
@@ -417,13 +434,15 @@ def start(
     bin_dir: Path | None = None,
     timeout: float = 120.0,
     detach: bool = False,
+    volumes: int = 32,
 ) -> ControlPlane:
     """Start etcd, kube-apiserver, controller-manager, scheduler and kwok; return once the API server is
     ready, the GPU node is Ready and the `default` ServiceAccount exists. On failure everything started
     is stopped and ControlPlaneError names the component and its log.
 
     directory: where data, certificates, logs, kubeconfig and pids go (default: a new temporary
-    directory, removed by stop()). detach: the components outlive this process (for `up`)."""
+    directory, removed by stop()). detach: the components outlive this process (for `up`).
+    volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs."""
     t0 = time.monotonic()
     bin_dir = bin_dir or default_bin_dir()
     missing = missing_binaries(bin_dir)
@@ -519,9 +538,13 @@ def start(
         launcher.spawn("kwok", [
             f"--kubeconfig={kubeconfig}", "--manage-all-nodes=true",
             "--cidr=10.244.0.0/16", "--node-ip=10.240.0.2",
+            # Leases renewed by kwok keep the node Ready past the node-lifecycle grace period.
+            "--node-lease-duration-seconds=40",
             *[f"--config={stages / f}" for f in STAGE_FILES],
         ])  # fmt: skip
         cp.request("POST", "/api/v1/nodes", gpu_node())
+        for i in range(volumes):
+            cp.request("POST", "/api/v1/persistentvolumes", fake_volume(f"kwok-pv-{i:02d}"))
 
         def node_ready() -> bool:
             node = cp.request("GET", f"/api/v1/nodes/{GPU_NODE}")

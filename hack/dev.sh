@@ -14,9 +14,7 @@ LOGS="${STATE}/logs"
 VENV="${VENV:-${ROOT}/.venv}"
 PY="${VENV}/bin/python"
 SM="${VENV}/bin/servedmodel"
-MODEL="${DEV_MODEL:-Qwen/Qwen2.5-7B-Instruct}"
-SERVED_NAME="${DEV_SERVED_MODEL_NAME:-qwen}"
-SAMPLE="${ROOT}/manifests/samples/simulator.yaml"
+SAMPLE="${DEV_SAMPLE:-${ROOT}/manifests/samples/simulator.yaml}"
 
 log() { printf '\033[1m[dev]\033[0m %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -94,12 +92,22 @@ up() {
   "${kubectl}" apply --server-side --force-conflicts "${crds[@]}" >&2
   "${kubectl}" wait --for=condition=Established --timeout=60s "${crds[@]}" >&2
 
+  # The simulator serves what the sample asks for, so the operator's probes name a model it knows.
+  local model served_name
+  if [[ -f "${SAMPLE}" ]]; then
+    read -r model served_name < <("${PY}" -c '
+import sys, yaml
+spec = yaml.safe_load(open(sys.argv[1]))["spec"]
+print(spec["model"], spec.get("servedModelName") or spec["model"])' "${SAMPLE}")
+  else
+    model="Qwen/Qwen2.5-7B-Instruct" served_name="qwen"
+  fi
   local sim_port metrics_port health_port
   sim_port="$(free_port)"
   metrics_port="$(free_port)"
   health_port="$(free_port)"
-  log "starting the simulated engine on 127.0.0.1:${sim_port} (${MODEL} as ${SERVED_NAME})"
-  setsid "${SM}" sim "${MODEL}" --served-model-name "${SERVED_NAME}" --host 127.0.0.1 --port "${sim_port}" \
+  log "starting the simulated engine on 127.0.0.1:${sim_port} (${model} as ${served_name})"
+  setsid "${SM}" sim "${model}" --served-model-name "${served_name}" --host 127.0.0.1 --port "${sim_port}" \
     </dev/null >"${LOGS}/sim.log" 2>&1 &
   echo "simulator $!" >>"${PIDS}"
   wait_http "http://127.0.0.1:${sim_port}/health" 60 simulator "$!" ||
@@ -124,8 +132,8 @@ metadata:
   name: qwen
   namespace: default
 spec:
-  model: ${MODEL}
-  servedModelName: ${SERVED_NAME}
+  model: ${model}
+  servedModelName: ${served_name}
   engine:
     kind: simulator
 EOF

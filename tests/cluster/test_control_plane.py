@@ -44,10 +44,21 @@ def gone(cp: controlplane.ControlPlane, path: str) -> bool:
     return False
 
 
-def gpu_deployment(name: str, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+def gpu_deployment(
+    name: str, owner: dict[str, Any] | None = None, claim: str | None = None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "labels": {"app": name}}
     if owner is not None:
         meta["ownerReferences"] = [owner]
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.33.0",
+        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4"}},
+    }
+    pod: dict[str, Any] = {"containers": [container]}
+    if claim is not None:
+        pod["volumes"] = [{"name": "cache", "persistentVolumeClaim": {"claimName": claim}}]
+        container["volumeMounts"] = [{"name": "cache", "mountPath": "/root/.cache/huggingface"}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -55,18 +66,7 @@ def gpu_deployment(name: str, owner: dict[str, Any] | None = None) -> dict[str, 
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {"labels": {"app": name}},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.33.0",
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4"}},
-                        }
-                    ]
-                },
-            },
+            "template": {"metadata": {"labels": {"app": name}}, "spec": pod},
         },
     }
 
@@ -87,7 +87,15 @@ def test_gpu_node_advertises_gpus(bare_control_plane: controlplane.ControlPlane)
 
 def test_gpu_deployment_becomes_available(control_plane: controlplane.ControlPlane, namespace: str) -> None:
     cp = control_plane
-    cp.request("POST", f"/apis/apps/v1/namespaces/{namespace}/deployments", gpu_deployment("vllm"))
+    # Like the operator's: a weight-cache claim with no storage class, bound to a pre-created fake volume.
+    pvc = {
+        "metadata": {"name": "cache"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}}},
+    }
+    cp.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", pvc)
+    cp.request(
+        "POST", f"/apis/apps/v1/namespaces/{namespace}/deployments", gpu_deployment("vllm", claim="cache")
+    )
     path = f"/apis/apps/v1/namespaces/{namespace}/deployments/vllm"
     wait_for(
         "Deployment availableReplicas=1",
@@ -96,6 +104,8 @@ def test_gpu_deployment_becomes_available(control_plane: controlplane.ControlPla
     pods = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector=app%3Dvllm")["items"]
     assert [p["spec"]["nodeName"] for p in pods] == [controlplane.GPU_NODE]
     assert pods[0]["status"]["phase"] == "Running"
+    claim = cp.request("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/cache")
+    assert claim["status"]["phase"] == "Bound"
     # kubectl shows the same thing a user would see.
     out = cp.kubectl(
         "-n", namespace, "get", "deployment", "vllm", "-o", "jsonpath={.status.availableReplicas}"
