@@ -60,10 +60,10 @@ def operator_verify() -> Path:
     return exe
 
 
-def module_dir() -> Path:
-    """The operator-framework/api module in the Go module cache (downloaded when missing)."""
+def module_dir(module: str = OLM_API_MODULE, version: str = OLM_API_VERSION) -> Path:
+    """A Go module's files in the module cache (downloaded when missing), e.g. for the CRD YAML it ships."""
     res = subprocess.run(
-        [_go(), "mod", "download", "-json", f"{OLM_API_MODULE}@{OLM_API_VERSION}"],
+        [_go(), "mod", "download", "-json", f"{module}@{version}"],
         env=_env(),
         capture_output=True,
         text=True,
@@ -71,7 +71,7 @@ def module_dir() -> Path:
         check=False,
     )
     if res.returncode != 0:
-        raise ToolUnavailable(f"go mod download {OLM_API_MODULE} failed: {res.stderr[-2000:]}")
+        raise ToolUnavailable(f"go mod download {module}@{version} failed: {res.stderr[-2000:]}")
     return Path(json.loads(res.stdout)["Dir"])
 
 

@@ -1,0 +1,306 @@
+"""The operator's RBAC (manifests/base) is sufficient and no wider.
+
+Sufficient: manifests/base is applied for real, and the operator runs as its ServiceAccount (a token
+from the TokenRequest API, `kubectl create token`, in its own kubeconfig) through a whole life: the
+simulator sample is created, reconciled to Ready (kwok makes the Deployment available), probed for real
+(the probe goes to an engine simulator on loopback: kwok pods listen nowhere), and deleted. The
+operator's log must hold no authorization error.
+
+No wider: `kubectl auth can-i --as` the ServiceAccount is "no" for what it must never do.
+
+This module runs its own control plane: base installs cluster-wide ClusterRoles (aggregated into
+admin/edit/view) and the Prometheus Operator's CRDs, which must not change what other tests see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import controlplane
+import olm_tools
+from servedmodel.sim.process import SimulatorProcess
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "manifests" / "samples" / "simulator.yaml"
+OPERATOR_NS = "servedmodel-system"
+SA = "servedmodel-operator"
+SA_USER = f"system:serviceaccount:{OPERATOR_NS}:{SA}"
+PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+WAIT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+# OpenShift serves Routes from its own API server; a bare one gets this stand-in CRD so the operator
+# renders and applies a Route (with the verbs it has) as it would on OpenShift.
+ROUTE_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "routes.route.openshift.io"},
+    "spec": {
+        "group": "route.openshift.io",
+        "scope": "Namespaced",
+        "names": {"plural": "routes", "singular": "route", "kind": "Route", "listKind": "RouteList"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[controlplane.ControlPlane]:
+    missing = controlplane.missing_binaries()
+    if missing:
+        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
+    try:
+        prom = olm_tools.module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION)
+    except olm_tools.ToolUnavailable as exc:
+        pytest.skip(str(exc))
+    servicemonitors = (
+        prom / "example" / "prometheus-operator-crd" / "monitoring.coreos.com_servicemonitors.yaml"
+    )
+    with controlplane.running() as cp:
+        cp.kubectl(
+            "apply", "--server-side", "-f", str(servicemonitors), "-f", "-", input=json.dumps(ROUTE_CRD)
+        )
+        cp.kubectl("apply", "--server-side", "-k", str(ROOT / "manifests" / "base"), timeout=120)
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        yield cp
+
+
+def sa_kubeconfig(cp: controlplane.ControlPlane, path: Path) -> Path:
+    """A kubeconfig holding only the ServiceAccount's token (nothing of the admin's)."""
+    token = cp.kubectl("create", "token", SA, "-n", OPERATOR_NS, "--duration=1h").stdout.strip()
+    assert token
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "c", "cluster": {"server": cp.server, "certificate-authority": str(cp.ca_file)}}
+        ],
+        "users": [{"name": SA, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": SA}}],
+        "current-context": "sa",
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def can_i(cp: controlplane.ControlPlane, *args: str) -> str:
+    res = cp.kubectl("auth", "can-i", *args, "--as", SA_USER, check=False)
+    return res.stdout.strip()
+
+
+def wait_for(what: str, probe: Callable[[], Any], log: Callable[[], str]) -> Any:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}; operator log:\n{log()}")
+        time.sleep(0.5)
+
+
+def get(cp: controlplane.ControlPlane, *args: str) -> dict[str, Any] | None:
+    res = cp.kubectl("get", *args, "-o", "json", check=False)
+    if res.returncode != 0:
+        return None
+    obj: dict[str, Any] = json.loads(res.stdout)
+    return obj
+
+
+@contextlib.contextmanager
+def operator_as_service_account(
+    kubeconfig: Path, log_path: Path, endpoint_override: str
+) -> Iterator[Callable[[], str]]:
+    """`servedmodel run --all-namespaces` (what the Deployment runs) with the SA's kubeconfig; yields a
+    log reader; stopped by its pid (SIGTERM, then SIGKILL), pass or fail."""
+    health_port, metrics_port = controlplane.free_ports(2)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SERVEDMODEL_")},
+        "KUBECONFIG": str(kubeconfig),
+        "SERVEDMODEL_HEALTH_PORT": str(health_port),
+        "SERVEDMODEL_METRICS_PORT": str(metrics_port),
+        "SERVEDMODEL_ENDPOINT_OVERRIDE": endpoint_override,
+        "PYTHONUNBUFFERED": "1",
+    }
+    # Nothing may fall back to in-cluster credentials or the admin's kubeconfig.
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    args = [sys.executable, "-m", "servedmodel.cli", "run", "--all-namespaces", "--bind-address", "127.0.0.1"]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+    def log() -> str:
+        return log_path.read_text(errors="replace")
+
+    try:
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"operator exited with {proc.returncode}:\n{log()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=2.0) as r:
+                    return bool(r.status == 200)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return False
+
+        wait_for("the operator's /healthz", healthy, log)
+        yield log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, tmp_path: Path) -> None:
+    cp = cluster
+    namespace = "rbac-models"
+    cp.kubectl("create", "namespace", namespace)
+    sample = yaml.safe_load(SAMPLE.read_text())
+    name = sample["metadata"]["name"]
+    spec = sample["spec"]
+    # The operator's Route and ServiceMonitor paths too (both APIs exist here).
+    sample["spec"] = {**spec, "expose": {"route": True}, "monitoring": {"serviceMonitor": True}}
+    sim_args = [spec["model"], "--max-model-len", str(spec["engine"]["maxModelLen"])]
+    kubeconfig = sa_kubeconfig(cp, tmp_path / "sa.kubeconfig")
+    with (
+        SimulatorProcess([*sim_args, "--sim-step-base-ms", "2"], ready_timeout=60) as sim,
+        operator_as_service_account(
+            kubeconfig, tmp_path / "operator.log", f"{namespace}/{name}={sim.base_url}"
+        ) as log,
+    ):
+        cp.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(sample))
+
+        def ready_and_probed() -> dict[str, Any] | None:
+            obj = get(cp, "servedmodel", name, "-n", namespace)
+            status = (obj or {}).get("status") or {}
+            probe = status.get("probe") or {}
+            return obj if status.get("phase") == "Ready" and probe.get("result") == "Success" else None
+
+        obj = wait_for("Ready and a successful probe", ready_and_probed, log)
+        assert obj["status"]["probe"]["client"]["ttftMs"] > 0
+        for kind in ("deployment", "service", "servicemonitor", "route"):
+            child = get(cp, kind, "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
+            assert child is not None, kind
+            assert child["items"], f"no {kind} made by the operator"
+        events = get(cp, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+        assert events is not None
+
+        cp.kubectl("delete", "servedmodel", name, "-n", namespace, "--wait=false")
+        wait_for(
+            "the ServedModel to be gone", lambda: get(cp, "servedmodel", name, "-n", namespace) is None, log
+        )
+        text = log()
+    denied = [line for line in text.splitlines() if "403" in line or "forbidden" in line.lower()]
+    assert not denied, "authorization errors in the operator's log:\n" + "\n".join(denied)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("get", "secrets", "--all-namespaces"),
+        ("list", "secrets", "-n", "default"),
+        ("get", "secrets", "-n", OPERATOR_NS),
+        ("delete", "nodes"),
+        ("create", "pods", "-n", "default"),
+        ("create", "pods/exec", "-n", "default"),
+        ("delete", "namespaces"),
+        ("create", "clusterrolebindings"),
+        ("escalate", "clusterroles"),
+        ("update", "customresourcedefinitions"),
+        ("create", "serviceaccounts/token", "-n", OPERATOR_NS),
+        ("delete", "servedmodels.inference.servedmodel.io", "-n", "default"),
+        ("create", "servedmodels.inference.servedmodel.io", "-n", "default"),
+        ("patch", "deployments.apps", "-n", "kube-system"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args: tuple[str, ...]) -> None:
+    assert can_i(cluster, *args) == "no"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("watch", "servedmodels.inference.servedmodel.io", "--all-namespaces"),
+        ("patch", "servedmodels.inference.servedmodel.io/status", "-n", "default"),
+        ("patch", "deployments.apps", "-n", "default"),
+        ("list", "pods", "--all-namespaces"),
+        ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
+        ("create", "events", "-n", "default"),
+        ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_what_the_operator_needs(cluster: controlplane.ControlPlane, args: tuple[str, ...]) -> None:
+    assert can_i(cluster, *args) == "yes"
+
+
+def test_secrets_are_granted_per_namespace(cluster: controlplane.ControlPlane) -> None:
+    """The documented RoleBinding to servedmodel-operator-secret-reader opens one namespace, no more."""
+    cp = cluster
+    cp.kubectl("create", "namespace", "team-a")
+    cp.kubectl("create", "namespace", "team-b")
+    cp.kubectl(
+        "create",
+        "rolebinding",
+        "servedmodel-operator-secrets",
+        "-n",
+        "team-a",
+        "--clusterrole=servedmodel-operator-secret-reader",
+        f"--serviceaccount={OPERATOR_NS}:{SA}",
+    )
+    assert can_i(cp, "get", "secrets", "-n", "team-a") == "yes"
+    assert can_i(cp, "list", "secrets", "-n", "team-a") == "no"
+    assert can_i(cp, "get", "secrets", "-n", "team-b") == "no"
+    assert can_i(cp, "get", "secrets", "--all-namespaces") == "no"
+
+
+def test_people_get_servedmodels_through_the_built_in_roles(cluster: controlplane.ControlPlane) -> None:
+    """servedmodel-edit/view are aggregated into admin, edit and view."""
+    cp = cluster
+    cp.kubectl("create", "namespace", "team-c")
+    cp.kubectl("create", "rolebinding", "alice-edit", "-n", "team-c", "--clusterrole=edit", "--user=alice")
+    cp.kubectl("create", "rolebinding", "bob-view", "-n", "team-c", "--clusterrole=view", "--user=bob")
+
+    def as_user(user: str, *args: str) -> str:
+        return cp.kubectl("auth", "can-i", *args, "-n", "team-c", "--as", user, check=False).stdout.strip()
+
+    sm = "servedmodels.inference.servedmodel.io"
+    assert as_user("alice", "create", sm) == "yes"
+    assert as_user("alice", "delete", sm) == "yes"
+    assert as_user("bob", "get", sm) == "yes"
+    assert as_user("bob", "create", sm) == "no"
+    assert as_user("bob", "patch", f"{sm}/status") == "no"
