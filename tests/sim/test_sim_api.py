@@ -53,7 +53,8 @@ def test_chat_non_streaming(sim: SimulatorProcess) -> None:
     assert choice.message.role == "assistant"
     assert choice.message.content == "Count: one two three "
     assert choice.finish_reason == "stop"
-    assert choice.model_extra is not None and choice.model_extra["stop_reason"] == "four"
+    assert choice.model_extra is not None
+    assert choice.model_extra["stop_reason"] == "four"
     assert r.usage is not None
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
@@ -182,10 +183,12 @@ def test_tokenize_count_equals_usage_prompt_tokens(sim: SimulatorProcess) -> Non
     tok = httpx.post(
         f"{sim.base_url}/tokenize", json={"model": "qwen", "messages": messages}, timeout=5
     ).json()
-    assert tok["max_model_len"] == 2048 and tok["token_strs"] is None
+    assert tok["max_model_len"] == 2048
+    assert tok["token_strs"] is None
     assert tok["count"] == len(tok["tokens"])
     r = client(sim).chat.completions.create(model="qwen", messages=messages, max_tokens=2)  # type: ignore[arg-type]
-    assert r.usage is not None and r.usage.prompt_tokens == tok["count"]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == tok["count"]
     text = httpx.post(f"{sim.base_url}/detokenize", json={"tokens": tok["tokens"]}, timeout=5).json()[
         "prompt"
     ]
@@ -208,14 +211,15 @@ def test_qwen_default_system_prompt_and_real_token_ids(sim: SimulatorProcess) ->
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     )
     # Qwen2.5's real vocabulary: "hello" is one token (14990), <|im_end|> is 151645.
-    assert 14990 in tok["tokens"] and tok["tokens"].count(151645) == 2
+    assert 14990 in tok["tokens"]
+    assert tok["tokens"].count(151645) == 2
     plain = httpx.post(f"{sim.base_url}/tokenize", json={"prompt": "hello world"}, timeout=5).json()
     assert plain["tokens"] == [14990, 1879]
 
 
 def test_utf8_stream_across_token_boundaries(sim: SimulatorProcess) -> None:
     # Rare CJK and emoji are several byte-level tokens each; no chunk may carry a broken character.
-    content = "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 😀🦜 龘靐齉 naïve"
+    content = "\U0001d518\U0001d52b\U0001d526 😀🦜 龘靐齉 naïve"  # Fraktur letters: 4 bytes each
     stream = client(sim).chat.completions.create(
         model="qwen",
         messages=[{"role": "user", "content": content}],
@@ -234,10 +238,12 @@ def test_utf8_stream_across_token_boundaries(sim: SimulatorProcess) -> None:
 def test_completions_streaming_and_not(sim: SimulatorProcess) -> None:
     c = client(sim)
     r = c.completions.create(model="qwen", prompt="alpha beta gamma", max_tokens=3)
-    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
     assert r.choices[0].text == "alpha beta gamma"
     assert r.choices[0].finish_reason == "length"
-    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 3)
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 3)
     pieces = []
     usage = None
     for chunk in c.completions.create(
@@ -251,9 +257,11 @@ def test_completions_streaming_and_not(sim: SimulatorProcess) -> None:
             pieces.append(chunk.choices[0].text)
         usage = chunk.usage or usage
     assert "".join(pieces) == "alpha beta gamma"
-    assert usage is not None and usage.completion_tokens == 3
+    assert usage is not None
+    assert usage.completion_tokens == 3
     by_ids = c.completions.create(model="qwen", prompt=[1, 2, 3], max_tokens=1)
-    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 3
+    assert by_ids.usage is not None
+    assert by_ids.usage.prompt_tokens == 3
 
 
 def test_stop_string_across_token_boundaries_is_not_sent(sim: SimulatorProcess) -> None:
@@ -274,11 +282,13 @@ def test_ignore_eos_and_max_tokens(sim: SimulatorProcess) -> None:
     r = client(sim).chat.completions.create(
         model="qwen", messages=COUNT, max_tokens=300, extra_body={"ignore_eos": True}
     )
-    assert r.usage is not None and r.usage.completion_tokens == 300
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 300
     assert r.choices[0].finish_reason == "length"
     natural = client(sim).chat.completions.create(model="qwen", messages=COUNT, max_tokens=300)
     assert natural.choices[0].finish_reason == "stop"  # the deterministic EOS point
-    assert natural.usage is not None and natural.usage.completion_tokens < 300
+    assert natural.usage is not None
+    assert natural.usage.completion_tokens < 300
 
 
 def test_stop_token_ids(sim: SimulatorProcess) -> None:
@@ -391,7 +401,9 @@ def test_metrics_names_types_labels_buckets(sim: SimulatorProcess) -> None:
     assert buckets("vllm:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS)
     assert buckets("vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     info = next(s for s in families["vllm:cache_config_info"].samples)
-    assert info.labels["block_size"] == "16" and info.labels["engine"] == "0" and info.value == 1.0
+    assert info.labels["block_size"] == "16"
+    assert info.labels["engine"] == "0"
+    assert info.value == 1.0
     for s in families["vllm:num_requests_running"].samples:
         assert s.labels == {"model_name": "qwen", "engine": "0"}
 
@@ -425,8 +437,10 @@ def test_ground_truth_of_a_request(sim: SimulatorProcess) -> None:
         model="qwen", messages=COUNT, max_tokens=7, extra_body={"ignore_eos": True}
     )
     row = next(x for x in ground_truth(sim) if x["request_id"] == r.id)
-    assert row["completion_tokens"] == 7 and row["finish_reason"] == "length"
-    assert r.usage is not None and row["prompt_tokens"] == r.usage.prompt_tokens
+    assert row["completion_tokens"] == 7
+    assert row["finish_reason"] == "length"
+    assert r.usage is not None
+    assert row["prompt_tokens"] == r.usage.prompt_tokens
     assert row["arrival"] <= row["scheduled"] <= row["first_token"] <= row["last_token"]
     assert row["e2e_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"] + row["decode_ms"], abs=0.01)
     assert row["ttft_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"], abs=0.01)

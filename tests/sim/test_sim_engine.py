@@ -1,4 +1,4 @@
-"""The pure engine on a fake clock: scheduling, chunked prefill, KV blocks, preemption, prefix caching, stops."""
+"""The pure engine on a fake clock: scheduling, chunked prefill, KV, preemption, prefix cache, stops."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def test_chunked_prefill_splits_long_prompts_by_token_budget(tok: QwenTokenizer)
         now = plan.end
         engine.complete(plan, now)
     assert steps == [256, 256, 256, 232, 1]
-    assert r.first_token is not None and r.completion_tokens == 2
+    assert r.first_token is not None
+    assert r.completion_tokens == 2
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget(tok: QwenTokenizer) -> None:
@@ -126,7 +127,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget(tok: QwenToke
 
 
 def test_kv_blocks_run_out_and_preemption_recomputes(tok: QwenTokenizer) -> None:
-    # 8 blocks × 16 tokens = 128 tokens for everyone; three requests that each grow to 80 tokens.
+    # 8 blocks of 16 tokens = 128 tokens for everyone; three requests that each grow to 80 tokens.
     engine = make_engine(tok, num_gpu_blocks=8, block_size=16, enable_prefix_caching=False)
     reqs = [request(tok, f"k{i}", 30, 50) for i in range(3)]
     for r in reqs:
@@ -182,9 +183,11 @@ def test_abort_frees_slot_and_blocks(tok: QwenTokenizer) -> None:
     plan = engine.schedule(0.0)
     assert plan is not None
     engine.complete(plan, plan.end)
-    assert engine.kv.usage > 0 and len(engine.waiting) == 1
+    assert engine.kv.usage > 0
+    assert len(engine.waiting) == 1
     engine.abort("a")
-    assert a.finish_reason == "abort" and not engine.running
+    assert a.finish_reason == "abort"
+    assert not engine.running
     run(engine, plan.end)
     assert b.finish_reason == "length"
     assert engine.kv.num_free == engine.kv.num_blocks
