@@ -247,24 +247,24 @@ async def stream_chat(
     headers = {**_auth(api_key), "Accept": "text/event-stream"}
     if request_id:
         headers["X-Request-Id"] = request_id
-    # httpcore's trace hook marks the moment the request's last byte was written and the moment the
-    # response headers were read: "request sent" excludes connection setup and client-side encoding.
+    # httpcore's trace hook marks the moment the request starts going onto the wire (after connection
+    # setup and encoding) and the moment the response headers were read.
     marks: dict[str, int] = {}
 
     async def trace(event: str, info: Mapping[str, Any]) -> None:
-        if event.endswith(("send_request_body.complete", "receive_response_headers.complete")):
+        if event.endswith(("send_request_headers.started", "receive_response_headers.complete")):
             marks[event.rsplit(".", 2)[-2]] = clock()
 
     request = client.build_request(
         "POST", f"{base}/v1/chat/completions", json=body, headers=headers, extensions={"trace": trace}
     )
-    timing = StreamTiming(sent_ns=clock())
+    timing = StreamTiming(sent_ns=clock(), request_id=request_id)
     try:
         response = await client.send(request, stream=True)
     except httpx.TransportError as exc:
         raise er.classify_transport_error(exc, step) from None
     now = clock()
-    timing.sent_ns = marks.get("send_request_body", timing.sent_ns)
+    timing.sent_ns = marks.get("send_request_headers", timing.sent_ns)
     timing.headers_ns = marks.get("receive_response_headers", now)
     try:
         if response.status_code != 200:

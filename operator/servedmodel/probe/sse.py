@@ -70,6 +70,7 @@ class StreamTiming:
     """What one streamed chat completion did, on the client's monotonic clock (ns)."""
 
     sent_ns: int
+    request_id: str | None = None  # the X-Request-Id sent (vLLM names the completion chatcmpl-<it>)
     headers_ns: int | None = None
     content_ns: list[int] = field(default_factory=list)
     last_event_ns: int | None = None
