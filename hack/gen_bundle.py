@@ -283,10 +283,18 @@ def related_images(deployment: dict[str, Any]) -> list[dict[str, str]]:
 
     images = {c["name"]: c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]}
     return [
-        {"name": "servedmodel-operator", "image": images["operator"]},
-        {"name": "vllm-openai", "image": config.VLLM_IMAGE},
-        {"name": "servedmodel-simulator", "image": config.SIMULATOR_IMAGE},
+        {"name": "servedmodel-operator", "image": qualified(images["operator"])},
+        {"name": "vllm-openai", "image": qualified(config.VLLM_IMAGE)},
+        {"name": "servedmodel-simulator", "image": qualified(config.SIMULATOR_IMAGE)},
     ]
+
+
+def qualified(image: str) -> str:
+    """Fully qualified image reference (mirroring for disconnected clusters needs the registry)."""
+    first = image.split("/", 1)[0]
+    if "/" in image and ("." in first or ":" in first or first == "localhost"):
+        return image
+    return f"docker.io/{image}" if "/" in image else f"docker.io/library/{image}"
 
 
 def csv(crd: dict[str, Any]) -> dict[str, Any]:
