@@ -347,3 +347,5 @@ async def test_prometheus_source(faults: SimulatorProcess, prometheus: Prometheu
     other = PrometheusMetrics(prometheus.base_url, model="qwen", namespace="elsewhere")
     with pytest.raises(er.ProbeFailure):
         await other.snapshot()
+    reader.close()
+    other.close()

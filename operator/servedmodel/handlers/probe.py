@@ -107,10 +107,10 @@ async def _secret_value(kube: KubeClient, namespace: str, ref: _KeyRef) -> str:
     try:
         secret = await kube.get("v1", "secrets", namespace, ref.name)
     except ApiError as exc:
-        raise ProbeFailure("SecretUnavailable", f"Secret {ref.name}: {exc.status} {exc.reason}") from None
+        raise ProbeFailure(er.SECRET_UNAVAILABLE, f"Secret {ref.name}: {exc.status} {exc.reason}") from None
     data = (secret or {}).get("data") or {}
     if ref.key not in data:
-        raise ProbeFailure("SecretUnavailable", f"Secret {ref.name} has no key {ref.key}")
+        raise ProbeFailure(er.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
     return base64.b64decode(data[ref.key]).decode("utf-8").strip()
 
 
@@ -186,9 +186,13 @@ async def probe_once(
     except ProbeFailure as f:
         now = datetime.now(UTC)
         return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
-    return await run_probe(
-        http, target, spec.probe, model=spec.resolved_served_model_name, api_key=api_key, metrics=metrics
-    )
+    try:
+        return await run_probe(
+            http, target, spec.probe, model=spec.resolved_served_model_name, api_key=api_key, metrics=metrics
+        )
+    finally:
+        if isinstance(metrics, PrometheusMetrics):
+            metrics.close()
 
 
 def status_patch(
@@ -235,7 +239,7 @@ def _forget(namespace: str, name: str) -> None:
     for result in ("success", "failure"):
         with contextlib.suppress(KeyError):
             PROBE_TOTAL.remove(namespace, name, result)
-    for reason in (*er.ALL_FAILURE_REASONS, "SecretUnavailable"):
+    for reason in er.ALL_FAILURE_REASONS:
         with contextlib.suppress(KeyError):
             PROBE_FAILURES.remove(namespace, name, reason)
 

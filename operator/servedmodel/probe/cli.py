@@ -86,7 +86,11 @@ async def probe_once(args: argparse.Namespace) -> int:
         elif not args.no_metrics:
             urls = [normalise_base_url(u) for u in (args.metrics_url or [target.base_url])]
             metrics = PodMetrics(client, urls, args.model)
-        out = await run_probe(client, target, spec, model=args.model, api_key=api_key, metrics=metrics)
+        try:
+            out = await run_probe(client, target, spec, model=args.model, api_key=api_key, metrics=metrics)
+        finally:
+            if isinstance(metrics, PrometheusMetrics):
+                metrics.close()
     status = build_status(out, spec, None)
     if args.json:
         print(json.dumps(as_json(out, status), indent=2))

@@ -28,6 +28,7 @@ STREAM_CUT = "StreamCut"
 ENGINE_UNHEALTHY = "EngineUnhealthy"
 NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_CONTENT = "NoContent"
+SECRET_UNAVAILABLE = "SecretUnavailable"
 SERVING = "Serving"
 
 ALL_FAILURE_REASONS = (
@@ -47,6 +48,7 @@ ALL_FAILURE_REASONS = (
     ENGINE_UNHEALTHY,
     NO_READY_ENDPOINTS,
     NO_CONTENT,
+    SECRET_UNAVAILABLE,
 )
 
 

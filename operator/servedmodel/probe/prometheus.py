@@ -85,6 +85,10 @@ class PrometheusMetrics:
         self.model, self.namespace = model, namespace
         self.settle_timeout_s = settle_timeout_s
 
+    def close(self) -> None:
+        """Close the HTTP session (connections to Prometheus)."""
+        self._prom._session.close()
+
     async def _query(self, q: str) -> list[dict[str, Any]]:
         try:
             result = await asyncio.wait_for(
