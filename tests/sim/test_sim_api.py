@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -444,3 +445,47 @@ def test_ground_truth_of_a_request(sim: SimulatorProcess) -> None:
     assert row["arrival"] <= row["scheduled"] <= row["first_token"] <= row["last_token"]
     assert row["e2e_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"] + row["decode_ms"], abs=0.01)
     assert row["ttft_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"], abs=0.01)
+
+
+def test_hf_tokenizer_dir_and_template_file(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|eot|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["the cat sat on the mat", "naïve café 😀"] * 50, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    template = tmp_path / "mine.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    )
+    args = [*BASE_ARGS, "--tokenizer", str(tmp_path), "--chat-template", str(template)]
+    with SimulatorProcess(args, ready_timeout=60) as s:
+        msgs = [{"role": "user", "content": "the cat 😀"}]
+        counted = httpx.post(f"{s.base_url}/tokenize", json={"messages": msgs}, timeout=5).json()
+        text = httpx.post(f"{s.base_url}/detokenize", json={"tokens": counted["tokens"]}, timeout=5).json()[
+            "prompt"
+        ]
+        assert text == "[user] the cat 😀\n[assistant] "
+        assert counted["tokens"] == tok.encode(text, add_special_tokens=False).ids
+        stream = client(s).chat.completions.create(
+            model="qwen",
+            messages=msgs,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
+        pieces, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            usage = chunk.usage or usage
+        assert usage is not None
+        assert usage.prompt_tokens == counted["count"]
+        assert "".join(pieces).startswith("the cat")
+        assert all("\ufffd" not in p for p in pieces)

@@ -1,0 +1,223 @@
+"""Scheduler dynamics through the HTTP API, checked against the simulator's own ground truth.
+
+No wall-clock thresholds: client-side times are compared with the server's truth with generous margins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sim_support import BASE_ARGS, aclient, client, engine_state, ground_truth
+
+from servedmodel.sim.process import SimulatorProcess
+
+
+def gauge(text: str, name: str) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                return float(s.value)
+    raise AssertionError(f"{name} not exposed")
+
+
+def counter(sim: SimulatorProcess, name: str, **labels: str) -> float:
+    text = httpx.get(f"{sim.base_url}/metrics", timeout=5).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise AssertionError(f"{name}{labels} not exposed")
+
+
+async def test_queueing_with_max_num_seqs_4_and_16_concurrent() -> None:
+    args = [*BASE_ARGS, "--max-num-seqs", "4", "--sim-step-base-ms", "20", "--sim-running-seq-ms", "0.5"]
+    async with SimulatorProcess(args, ready_timeout=60) as sim:
+        c = aclient(sim)
+        waiting_seen: list[float] = []
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            async with httpx.AsyncClient(timeout=5) as h:
+                while not done.is_set():
+                    waiting_seen.append(
+                        gauge((await h.get(f"{sim.base_url}/metrics")).text, "vllm:num_requests_waiting")
+                    )
+                    await asyncio.sleep(0.01)
+
+        async def one(i: int) -> tuple[str, float]:
+            sent = time.monotonic()
+            stream = await c.chat.completions.create(
+                model="qwen",
+                messages=[{"role": "user", "content": f"request {i}: one two three"}],
+                max_tokens=10,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": f"load-{i}"},
+            )
+            ttft = None
+            async for chunk in stream:
+                if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                    ttft = time.monotonic() - sent
+            assert ttft is not None
+            return f"chatcmpl-load-{i}", ttft
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = dict(await asyncio.gather(*(one(i) for i in range(16))))
+        finally:
+            done.set()
+            await watcher
+        await c.close()
+
+        state = engine_state(sim)
+        assert state["max_running"] == 4
+        assert state["max_waiting"] == 12
+        assert max(waiting_seen) == 12  # what /metrics said while it happened
+        rows = {r["request_id"]: r for r in ground_truth(sim) if r["request_id"] in results}
+        assert len(rows) == 16
+        last = max(rows.values(), key=lambda r: r["scheduled"])
+        truth_ms = last["queue_ms"] + last["prefill_ms"]
+        assert last["ttft_ms"] == pytest.approx(truth_ms, abs=0.01)
+        # It waited for three batches of four: roughly 3 batches of 10 steps of at least 20 ms.
+        assert last["queue_ms"] > 3 * 10 * 20 * 0.8
+        client_ms = results[last["request_id"]] * 1000
+        # The client's TTFT is the server's queue + prefill plus the door and loopback: a few ms.
+        assert client_ms >= truth_ms - 1.0
+        assert client_ms - truth_ms < 0.25 * truth_ms + 50
+
+
+async def test_prefill_time_grows_by_configured_per_token_cost() -> None:
+    args = [
+        *BASE_ARGS,
+        "--sim-step-base-ms",
+        "5",
+        "--sim-prefill-token-ms",
+        "0.4",
+        "--no-enable-prefix-caching",
+    ]
+    async with SimulatorProcess(args, ready_timeout=60) as sim:
+        c = aclient(sim)
+        prefill: dict[int, float] = {}
+        for words in (50, 1050):
+            content = " ".join(["word"] * words)
+            r = await c.chat.completions.create(
+                model="qwen", messages=[{"role": "user", "content": content}], max_tokens=2
+            )
+            assert r.usage is not None
+            row = next(x for x in ground_truth(sim) if x["request_id"] == r.id)
+            prefill[r.usage.prompt_tokens] = row["prefill_ms"]
+        await c.close()
+        (n1, t1), (n2, t2) = sorted(prefill.items())
+        expected = 0.4 * (n2 - n1)
+        assert n2 - n1 == 1000
+        assert abs((t2 - t1) - expected) < 0.1 * expected
+
+
+def test_preemption_when_kv_blocks_run_out() -> None:
+    # 16 blocks of 16 tokens = 256 tokens of KV cache for four requests that each grow to ~140 tokens.
+    args = [
+        *BASE_ARGS[:3],
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks",
+        "16",
+        "--no-enable-prefix-caching",
+        "--sim-step-base-ms",
+        "1",
+    ]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+
+        async def run() -> list[Any]:
+            c = aclient(sim)
+            out = await asyncio.gather(
+                *(
+                    c.chat.completions.create(
+                        model="qwen",
+                        messages=[{"role": "user", "content": f"{i} tell me"}],
+                        max_tokens=100,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                )
+            )
+            await c.close()
+            return list(out)
+
+        results = asyncio.run(run())
+        assert all(r.usage.completion_tokens == 100 for r in results)
+        assert counter(sim, "vllm:num_preemptions_total") > 0
+        rows = [r for r in ground_truth(sim) if r["request_id"] in {x.id for x in results}]
+        assert sum(r["preemptions"] for r in rows) == counter(sim, "vllm:num_preemptions_total")
+        assert engine_state(sim)["kv_cache_usage_perc"] == 0.0
+
+
+def test_client_disconnect_frees_slot_and_blocks() -> None:
+    with SimulatorProcess(
+        [*BASE_ARGS, "--max-num-seqs", "1", "--sim-step-base-ms", "2"], ready_timeout=60
+    ) as sim:
+        aborted_before = counter(sim, "vllm:request_success_total", finished_reason="abort")
+        body = {
+            "model": "qwen",
+            "messages": [{"role": "user", "content": "go on"}],
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with (
+            httpx.Client(timeout=10) as h,
+            h.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body) as resp,
+        ):
+            lines = resp.iter_lines()  # not a for-loop: leaving one closes the response
+            events = 0
+            while events < 3:
+                events += next(lines).startswith("data: ")
+            assert engine_state(sim)["running"] == 1
+        # Connection closed: the engine aborts the request, its slot and KV blocks are free again.
+        deadline = time.monotonic() + 10
+        while engine_state(sim)["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        state = engine_state(sim)
+        assert state["running"] == 0
+        assert state["kv_cache_usage_perc"] == 0.0
+        assert counter(sim, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+        r = client(sim).chat.completions.create(
+            model="qwen", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert r.choices[0].finish_reason == "length"
+        assert any(row["finish_reason"] == "abort" for row in ground_truth(sim))
+
+
+def test_startup_delay_answers_503_then_200() -> None:
+    with SimulatorProcess([*BASE_ARGS, "--sim-startup-delay", "1.5"], ready_timeout=60) as sim:
+        first = httpx.get(f"{sim.base_url}/health", timeout=5)
+        models = httpx.get(f"{sim.base_url}/v1/models", timeout=5)
+        assert first.status_code == 503
+        assert models.status_code == 503
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{sim.base_url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "never became healthy"
+            time.sleep(0.05)
+        assert httpx.get(f"{sim.base_url}/v1/models", timeout=5).status_code == 200
+
+
+def test_runtime_config_changes_step_time(sim: SimulatorProcess) -> None:
+    before = httpx.get(f"{sim.base_url}/admin/config", timeout=5).json()
+    try:
+        r = httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": 40}, timeout=5)
+        assert r.json()["step_base_ms"] == 40
+        resp = client(sim).chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
+        )
+        row = next(x for x in ground_truth(sim) if x["request_id"] == resp.id)
+        assert row["decode_ms"] >= 4 * 40 * 0.9  # four decode steps of ≥ 40 ms
+        bad = httpx.post(f"{sim.base_url}/admin/config", json={"block_size": 32}, timeout=5)
+        assert bad.status_code == 400
+    finally:
+        httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": before["step_base_ms"]}, timeout=5)
