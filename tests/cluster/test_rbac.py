@@ -191,8 +191,13 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
     sample = yaml.safe_load(SAMPLE.read_text())
     name = sample["metadata"]["name"]
     spec = sample["spec"]
-    # The operator's Route and ServiceMonitor paths too (both APIs exist here).
-    sample["spec"] = {**spec, "expose": {"route": True}, "monitoring": {"serviceMonitor": True}}
+    # Every child kind: the weight-cache PVC, the Route and the ServiceMonitor (both APIs exist here).
+    sample["spec"] = {
+        **spec,
+        "cache": {"size": "1Gi"},
+        "expose": {"route": True},
+        "monitoring": {"serviceMonitor": True},
+    }
     sim_args = [spec["model"], "--max-model-len", str(spec["engine"]["maxModelLen"])]
     kubeconfig = sa_kubeconfig(cp, tmp_path / "sa.kubeconfig")
     with (
@@ -211,7 +216,7 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
 
         obj = wait_for("Ready and a successful probe", ready_and_probed, log)
         assert obj["status"]["probe"]["client"]["ttftMs"] > 0
-        for kind in ("deployment", "service", "servicemonitor", "route"):
+        for kind in ("deployment", "service", "persistentvolumeclaim", "servicemonitor", "route"):
             child = get(cp, kind, "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
             assert child is not None, kind
             assert child["items"], f"no {kind} made by the operator"
@@ -244,7 +249,9 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         ("create", "serviceaccounts/token", "-n", OPERATOR_NS),
         ("delete", "servedmodels.inference.servedmodel.io", "-n", "default"),
         ("create", "servedmodels.inference.servedmodel.io", "-n", "default"),
-        ("patch", "deployments.apps", "-n", "kube-system"),
+        ("update", "deployments.apps", "-n", "default"),
+        ("create", "daemonsets.apps", "-n", "kube-system"),
+        ("create", "roles.rbac.authorization.k8s.io", "-n", "default"),
     ],
     ids=lambda a: " ".join(a),
 )
