@@ -25,9 +25,10 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-## Regenerate crds/ from the pydantic models.
+## Regenerate crds/ from the pydantic models, and the OLM bundle (manifests/bundle/) that copies it.
 crd: install
 	$(BIN)/servedmodel crd > crds/inference.servedmodel.io_servedmodels.yaml
+	$(BIN)/python hack/gen_bundle.py
 
 ## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.
 test: install control-plane lint
