@@ -13,6 +13,7 @@ ClusterRoles must not change what the other cluster tests see.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,9 +105,16 @@ def test_openshift_overlay_puts_the_dashboard_where_the_console_reads_it() -> No
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=[p.stem for p in SAMPLES])
-def test_sample_applies(cluster: controlplane.ControlPlane, sample: Path) -> None:
+def test_sample_applies(cluster: controlplane.ControlPlane, sample: Path, tmp_path: Path) -> None:
+    """Each sample as users apply it: `-f`, and `-k` from a kustomization holding just that sample."""
     res = dry_run(cluster, "-n", "default", "-f", str(sample))
     assert res.returncode == 0, f"{sample.name}:\n{res.stderr}"
+    assert "servedmodel.inference.servedmodel.io/" in res.stdout
+    shutil.copy(sample, tmp_path / sample.name)
+    kustomization = {"resources": [sample.name], "namespace": "default"}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    res = dry_run(cluster, "-k", str(tmp_path))
+    assert res.returncode == 0, f"{sample.name} via -k:\n{res.stderr}"
     assert "servedmodel.inference.servedmodel.io/" in res.stdout
 
 
