@@ -35,6 +35,7 @@ class ObjectMeta(ApiModel):
 class ServedModel(ApiModel):
     """A model served by vLLM (or probed at an existing endpoint) with measured request-path latencies."""
 
+    # No fieldPath: the root schema cannot describe metadata, so the message names the field.
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
@@ -42,13 +43,11 @@ class ServedModel(ApiModel):
                     "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
                     "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
                     "(the Service <name>-engine must be a DNS label)",
-                    "fieldPath": ".metadata.name",
                 },
                 {
                     "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
                     "message": "metadata.name must start with a letter (the Service <name>-engine is a "
                     "DNS-1035 label)",
-                    "fieldPath": ".metadata.name",
                 },
             ]
         }
