@@ -443,6 +443,8 @@ class ServedModelSpec(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
+                    # The first clause avoids a modulus by zero when tensorParallelSize is already invalid.
+                    "(has(self.engine) && self.engine.tensorParallelSize < 1) || "
                     "(has(self.resources) ? self.resources.gpus : 1) % "
                     "(has(self.engine) ? self.engine.tensorParallelSize : 1) == 0",
                     "resources.gpus must be a multiple of engine.tensorParallelSize",
