@@ -1,0 +1,261 @@
+"""The probe daemon inside `servedmodel run` against the real control plane.
+
+The engine pods are kwok's fakes (their addresses exist nowhere and are never contacted): the operator is
+started with SERVEDMODEL_ENDPOINT_OVERRIDE pointing the ServedModel at a simulator on 127.0.0.1, or the
+ServedModel is in external mode with a loopback endpoint. Status writes are counted from a watch on the
+object: every change of the probe's fields must carry a new lastProbeTime (at most one write per cycle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+import controlplane
+from servedmodel.sim.process import SimulatorProcess
+
+OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
+
+pytestmark = pytest.mark.cluster
+WAIT_S = 120.0
+PROBE_CONDITIONS = ("Serving", "TemplateOK", "LatencySLOMet")
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+        time.sleep(0.3)
+
+
+def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    res = cp.kubectl("get", "-n", namespace, "servedmodel", name, "-o", "json", "--show-managed-fields")
+    out: dict[str, Any] = json.loads(res.stdout)
+    return out
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+def served_model(name: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "engine": {"maxModelLen": 4096},
+        "resources": {"gpus": 1},
+    }
+    body.update(spec)
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def metric(op: OperatorProcess, sample: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(op.metrics()):
+        for s in family.samples:
+            if s.name == sample and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+class Watch:
+    """`kubectl get sm NAME --watch -o json` in the background; stopped by its pid."""
+
+    def __init__(self, cp: controlplane.ControlPlane, namespace: str, name: str) -> None:
+        cmd = [str(cp.bin_dir / "kubectl"), f"--kubeconfig={cp.kubeconfig}", "get", "servedmodel", name]
+        cmd += ["-n", namespace, "--watch", "-o", "json"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> list[dict[str, Any]]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=10)
+        text = out.decode()
+        decoder = json.JSONDecoder()
+        objs: list[dict[str, Any]] = []
+        i = 0
+        while i < len(text):
+            while i < len(text) and text[i].isspace():
+                i += 1
+            if i >= len(text):
+                break
+            try:
+                obj, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                break  # a half-written object at SIGTERM
+            objs.append(obj)
+        return objs
+
+
+@contextlib.contextmanager
+def watching(cp: controlplane.ControlPlane, namespace: str, name: str) -> Iterator[list[dict[str, Any]]]:
+    w = Watch(cp, namespace, name)
+    seen: list[dict[str, Any]] = []
+    try:
+        yield seen
+    finally:
+        seen.extend(w.stop())
+
+
+def probe_share(obj: dict[str, Any]) -> tuple[str, str]:
+    """The fields the probe owns (status.probe and its conditions) and lastProbeTime."""
+    status = obj.get("status") or {}
+    conds = [c for c in status.get("conditions") or [] if c.get("type") in PROBE_CONDITIONS]
+    share = json.dumps({"probe": status.get("probe"), "conditions": conds}, sort_keys=True)
+    return share, str((status.get("probe") or {}).get("lastProbeTime"))
+
+
+def count_probe_writes(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(writes that changed the probe's fields, of which repeated an already-seen lastProbeTime)."""
+    writes = repeats = 0
+    prev_share = None
+    times: set[str] = set()
+    for obj in events:
+        share, t = probe_share(obj)
+        if prev_share is not None and share != prev_share:
+            writes += 1
+            if t in times:
+                repeats += 1
+        times.add(t)
+        prev_share = share
+    return writes, repeats
+
+
+def columns(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, str]:
+    table = cp.kubectl("get", "sm", name, "-n", namespace).stdout
+    header, row = table.splitlines()[:2]
+    return dict(zip(header.split(), row.split(), strict=False))
+
+
+def test_probe_fills_status_conditions_and_columns(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+) -> None:
+    cp = control_plane
+    sim_args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen-small", "--max-model-len", "4096"]
+    with SimulatorProcess([*sim_args, "--sim-step-base-ms", "2"], ready_timeout=60) as sim:
+        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/qwen={sim.base_url}")
+        spec = {
+            "servedModelName": "qwen-small",
+            "probe": {"interval": 5, "slo": {"ttftMs": 10000, "tpotMs": 2000}},
+        }
+        apply(cp, namespace, served_model("qwen", **spec))
+        with watching(cp, namespace, "qwen") as events:  # (a watch of a name that does not exist yet ends)
+
+            def three_probes() -> dict[str, Any] | None:
+                obj = sm(cp, namespace, "qwen")
+                window = ((obj.get("status") or {}).get("probe") or {}).get("window") or {}
+                return obj if window.get("samples", 0) >= 3 else None
+
+            obj = wait_for("three successful probes", three_probes)
+            time.sleep(1)  # let the watch deliver the last write
+        probe = obj["status"]["probe"]
+        assert (probe["result"], probe["reason"]) == ("Success", "Serving")
+        assert probe["model"] == "qwen-small"
+        assert probe["endpoint"] == sim.base_url
+        assert probe["client"]["ttftMs"] > 0
+        assert probe["client"]["tpotMs"] > 0
+        assert probe["server"]["isolated"] is True
+        assert probe["usage"]["promptTokens"] > 0
+        assert probe["finishReason"] == "stop"
+        assert {k: v["result"] for k, v in probe["checks"].items()} == {
+            "template": "Pass",
+            "limits": "Pass",
+            "stop": "Pass",
+            "usage": "Pass",
+        }
+        assert probe["scheduler"]["running"] == 0
+        assert probe["counters"]["generationTokensTotal"] > 0
+        assert condition(obj, "Serving")["status"] == "True"
+        assert condition(obj, "TemplateOK")["status"] == "True"
+        assert condition(obj, "LatencySLOMet")["status"] == "True"
+        # the reconciler's conditions live beside the probe's (list-map keyed by type, two managers)
+        assert condition(obj, "Ready")["status"] == "True"
+        probe_fields = [
+            m
+            for m in obj["metadata"]["managedFields"]
+            if m["manager"] == "servedmodel-probe" and m.get("subresource") == "status"
+        ]
+        assert len(probe_fields) == 1
+        assert "f:probe" in probe_fields[0]["fieldsV1"]["f:status"]
+
+        cols = columns(cp, namespace, "qwen")
+        for col in ("TTFT", "TPOT", "RUNNING", "WAITING"):
+            assert cols.get(col) not in (None, "<none>"), cols
+        assert float(cols["TTFT"]) > 0
+
+        writes, repeats = count_probe_writes(events)
+        cycles = metric(op, "servedmodel_probe_total", namespace=namespace, name="qwen", result="success")
+        counted = metric(op, "servedmodel_probe_status_writes_total", namespace=namespace, name="qwen")
+        assert writes >= 3
+        assert repeats == 0, "a probe cycle wrote status more than once"
+        assert counted <= cycles
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_endpoint_is_data_not_a_crash(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    manifest = served_model("gone", endpoint=f"http://127.0.0.1:{closed_port()}", probe={"interval": 5})
+    del manifest["spec"]["engine"], manifest["spec"]["resources"]
+    apply(cp, namespace, manifest)
+
+    def failed_twice() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "gone")
+        probe = (obj.get("status") or {}).get("probe") or {}
+        return obj if probe.get("consecutiveFailures", 0) >= 2 else None
+
+    obj = wait_for("two failed probes", failed_twice)
+    probe = obj["status"]["probe"]
+    assert (probe["result"], probe["reason"]) == ("Failure", "ConnectionRefused")
+    serving = condition(obj, "Serving")
+    assert (serving["status"], serving["reason"]) == ("False", "ConnectionRefused")
+    assert "client" not in probe
+    assert operator.alive()
+    assert operator.healthy()
+    assert (
+        metric(
+            operator,
+            "servedmodel_probe_failures_total",
+            namespace=namespace,
+            name="gone",
+            reason="ConnectionRefused",
+        )
+        >= 2
+    )
