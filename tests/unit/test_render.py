@@ -372,3 +372,13 @@ def test_simulator_accepts_every_rendered_flag() -> None:
     assert args.port == 8000
     assert args.max_model_len == 4096
     assert args.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    ("template", "digest", "annotated"),
+    [(True, "sha256:abc", True), (True, None, False), (False, "sha256:abc", False)],
+)
+def test_chat_template_digest_rolls_pods(template: bool, digest: str | None, annotated: bool) -> None:
+    spec = {"engine": {"chatTemplate": {"name": "t", "key": "k"}}} if template else {}
+    meta = deployment(cr(spec), RenderContext(chat_template_digest=digest))["spec"]["template"]["metadata"]
+    assert ("inference.servedmodel.io/chat-template-digest" in meta.get("annotations", {})) is annotated

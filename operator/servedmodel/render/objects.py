@@ -33,6 +33,7 @@ HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
 # Long completions stream for minutes; the OpenShift router's default 30 s would cut them.
 ROUTE_TIMEOUT = "600s"
+CHAT_TEMPLATE_DIGEST_ANNOTATION = "inference.servedmodel.io/chat-template-digest"
 COMMANDS = {"vllm": ["vllm", "serve"], "simulator": ["servedmodel", "sim"]}
 
 
@@ -44,16 +45,25 @@ class RenderContext:
     simulator_image: str = SIMULATOR_IMAGE
     has_route_api: bool = False
     has_service_monitor_api: bool = False
+    # A digest of the chat template ConfigMap's content (the reconciler reads it); when it changes the
+    # pod template changes, so a new template rolls the pods instead of waiting for a restart.
+    chat_template_digest: str | None = None
 
     @classmethod
     def from_config(
-        cls, config: OperatorConfig, *, has_route_api: bool = False, has_service_monitor_api: bool = False
+        cls,
+        config: OperatorConfig,
+        *,
+        has_route_api: bool = False,
+        has_service_monitor_api: bool = False,
+        chat_template_digest: str | None = None,
     ) -> RenderContext:
         return cls(
             vllm_image=config.vllm_image,
             simulator_image=config.simulator_image,
             has_route_api=has_route_api,
             has_service_monitor_api=has_service_monitor_api,
+            chat_template_digest=chat_template_digest,
         )
 
 
@@ -213,6 +223,13 @@ def _check(cr: ServedModel) -> None:
         raise RenderError("spec.model", "a pvc:// path must not contain '..'")
 
 
+def _pod_metadata(cr: ServedModel, ctx: RenderContext) -> Obj:
+    meta: Obj = {"labels": n.standard_labels(cr.name, cr.spec.engine.kind)}
+    if cr.spec.engine.chat_template is not None and ctx.chat_template_digest:
+        meta["annotations"] = {CHAT_TEMPLATE_DIGEST_ANNOTATION: ctx.chat_template_digest}
+    return meta
+
+
 def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
     spec = cr.spec
     eng = spec.engine
@@ -263,10 +280,7 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
             # Rollouts may take as long as the startup budget before the Deployment calls it stuck.
             "progressDeadlineSeconds": eng.startup_timeout_seconds + 600,
             "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": n.standard_labels(cr.name, kind)},
-                "spec": pod_spec,
-            },
+            "template": {"metadata": _pod_metadata(cr, ctx), "spec": pod_spec},
         },
     }
 
