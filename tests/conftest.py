@@ -113,17 +113,17 @@ def _namespace_name(nodeid: str) -> str:
 
 
 @pytest.fixture
-def namespace(control_plane: controlplane.ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(bare_control_plane: controlplane.ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test (its `default` ServiceAccount exists, so Pods are admitted);
-    deleted afterwards without waiting for finalization."""
+    deleted afterwards without waiting for finalization. Needs no CRD (use `control_plane` too for those)."""
     name = _namespace_name(request.node.nodeid)
-    control_plane.request(
+    bare_control_plane.request(
         "POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": {"test": "true"}}}
     )
     deadline = time.monotonic() + 30.0
     while True:
         try:
-            control_plane.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
+            bare_control_plane.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
             break
         except urllib.error.HTTPError as e:
             if e.code != 404 or time.monotonic() > deadline:
@@ -131,4 +131,6 @@ def namespace(control_plane: controlplane.ControlPlane, request: pytest.FixtureR
             time.sleep(0.05)
     yield name
     if os.environ.get("SERVEDMODEL_KEEP_NAMESPACES") != "1":
-        control_plane.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        bare_control_plane.kubectl(
+            "delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False
+        )

@@ -85,8 +85,10 @@ def test_gpu_node_advertises_gpus(bare_control_plane: controlplane.ControlPlane)
     assert node["spec"].get("taints") is None
 
 
-def test_gpu_deployment_becomes_available(control_plane: controlplane.ControlPlane, namespace: str) -> None:
-    cp = control_plane
+def test_gpu_deployment_becomes_available(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    cp = bare_control_plane
     # Like the operator's: a weight-cache claim with no storage class, bound to a pre-created fake volume.
     pvc = {
         "metadata": {"name": "cache"},
@@ -114,9 +116,9 @@ def test_gpu_deployment_becomes_available(control_plane: controlplane.ControlPla
 
 
 def test_deleting_owner_garbage_collects_children(
-    control_plane: controlplane.ControlPlane, namespace: str
+    bare_control_plane: controlplane.ControlPlane, namespace: str
 ) -> None:
-    cp = control_plane
+    cp = bare_control_plane
     owner = cp.request("POST", f"/api/v1/namespaces/{namespace}/configmaps", {"metadata": {"name": "owner"}})
     ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}
     cp.request(
@@ -141,8 +143,8 @@ def test_deleting_owner_garbage_collects_children(
     wait_for("its Pod deleted", lambda: cp.request("GET", pods)["items"] == [])
 
 
-def test_namespace_deletion_completes(control_plane: controlplane.ControlPlane) -> None:
-    cp = control_plane
+def test_namespace_deletion_completes(bare_control_plane: controlplane.ControlPlane) -> None:
+    cp = bare_control_plane
     name = f"doomed-{int(time.time() * 1000) % 10**8}"
     cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
     wait_for(
