@@ -141,7 +141,7 @@ def test_conditions_and_transition_times() -> None:
     conds2 = {c.type: c for c in probe_conditions(st2, spec, existing, 3, later)}
     assert conds2["Serving"].status == "False"
     assert conds2["Serving"].reason == CONNECTION_REFUSED
-    assert conds2["Serving"].last_transition_time == "2026-11-29T19:01:00.000Z"
+    assert conds2["Serving"].last_transition_time == "2026-11-29T19:01:00Z"
     # TemplateOK keeps its verdict (and time) while probes fail
     assert conds2["TemplateOK"].status == "True"
-    assert conds2["TemplateOK"].last_transition_time == "2026-11-29T19:00:00.000Z"
+    assert conds2["TemplateOK"].last_transition_time == "2026-11-29T19:00:00Z"

@@ -33,8 +33,8 @@ LATENCY_SLO_MET = "LatencySLOMet"
 PROBE_CONDITIONS = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET)
 
 
-def rfc3339(t: datetime) -> str:
-    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def rfc3339(t: datetime, timespec: str = "milliseconds") -> str:
+    return t.astimezone(UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
 
 
 def parse_rfc3339(s: str | None) -> datetime | None:
@@ -270,7 +270,7 @@ def probe_conditions(
     out: list[Condition] = []
     for ctype, cstatus, reason, message in wanted:
         prev = by_type.get(ctype)
-        ltt = rfc3339(now)
+        ltt = rfc3339(now, "seconds")  # metav1.Condition's format, as the reconciler writes it
         if prev is not None and prev.get("status") == cstatus and prev.get("lastTransitionTime"):
             ltt = str(prev["lastTransitionTime"])
         out.append(
