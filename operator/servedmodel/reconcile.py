@@ -14,7 +14,9 @@ No kopf here: handlers/ call `reconcile()` and turn its `Outcome` into Events, r
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,6 +33,8 @@ from .render import RenderContext, RenderError, render
 log = logging.getLogger(__name__)
 
 ROUTE_API: Final = "route.openshift.io/v1"
+SETTLE_S: Final = 2.0
+SETTLE_POLL_S: Final = 0.1
 MONITORING_API: Final = "monitoring.coreos.com/v1"
 # (apiVersion, plural, kind) of every kind of child the operator may have made; optional APIs last.
 CHILD_KINDS: Final = (
@@ -75,11 +79,29 @@ def parse(body: Mapping[str, Any]) -> ServedModel:
     return ServedModel.from_body({k: v for k, v in body.items() if k != "status"})
 
 
-async def observe(client: KubeClient, name: str, namespace: str, *, with_route: bool) -> st.Observed:
+async def observe(
+    client: KubeClient, name: str, namespace: str, *, with_route: bool, settle_s: float = SETTLE_S
+) -> st.Observed:
+    """The engine Deployment, its Pods and the Route, as the API server has them now.
+
+    A Deployment whose controller has not yet seen its newest generation (observedGeneration behind)
+    says nothing yet about that generation; it is read again for up to `settle_s` (a fraction of a
+    second, normally) so a change that does not roll anything (an annotation bumps a Deployment's
+    generation too) does not flap the status to Progressing and back.
+    """
     deployment = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+    deadline = time.monotonic() + settle_s
+    while deployment is not None and _unobserved(deployment) and time.monotonic() < deadline:
+        await asyncio.sleep(SETTLE_POLL_S)
+        deployment = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
     pods = await client.list("v1", "pods", namespace, label_selector=names.selector_string(name))
     route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name)) if with_route else None
     return st.Observed(deployment=deployment, pods=pods, route=route)
+
+
+def _unobserved(deployment: Mapping[str, Any]) -> bool:
+    seen = int((deployment.get("status") or {}).get("observedGeneration") or 0)
+    return seen < int((deployment.get("metadata") or {}).get("generation") or 0)
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -157,11 +179,13 @@ async def reconcile(
         cr = parse(body)
     except pydantic.ValidationError as e:
         invalid = validation_message(e)
-    if cr is not None and not cr.spec.external:
+    if cr is not None:
+        # Also in external mode: pruning what an earlier, managed spec made needs to know what exists.
         optional = {
             ROUTE_API: await client.discover(ROUTE_API),
             MONITORING_API: await client.discover(MONITORING_API),
         }
+    if cr is not None and not cr.spec.external:
         ctx = RenderContext.from_config(
             config, has_route_api=optional[ROUTE_API], has_service_monitor_api=optional[MONITORING_API]
         )

@@ -18,6 +18,7 @@ from . import metrics
 # this prefix, never in status: the status schema has no room for `status.kopf`, and the reconciler
 # and the probe share status through server-side apply.
 ANNOTATION_PREFIX = API_GROUP
+FINALIZER = f"{API_GROUP}/finalizer"
 
 
 def operator_config(memo: Any) -> OperatorConfig:
@@ -36,6 +37,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    # Timers and daemons (resync, probe) make kopf hold a finalizer so it can stop them before the
+    # object goes; name it after the API. Children need none: owner references garbage-collect them.
+    settings.persistence.finalizer = FINALIZER
     # Only Events the handlers post explicitly (transitions), not every log line.
     settings.posting.enabled = True
     settings.posting.loggers = False

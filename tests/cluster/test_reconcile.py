@@ -1,0 +1,384 @@
+"""The operator against the real control plane (kube-apiserver, controller-manager, scheduler, kwok).
+
+What is real: the API server (CRD schema, CEL, SSA, scale subresource, printer columns), the Deployment
+controller, the garbage collector, the scheduler, and `servedmodel run` as its own process. What is
+fake: the GPU node and its pods (kwok marks them Running/Ready; no engine process runs). So "Ready"
+below is the Deployment's availability as kwok reports it, not a served model.
+
+Waits are bounded polls (`wait_for`); nothing here asserts on elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+import controlplane
+from servedmodel.api import names
+
+# The `operator` fixture's OperatorProcess (tests/cluster/conftest.py; conftests are not importable).
+OperatorProcess = Any
+
+pytestmark = pytest.mark.cluster
+WAIT_S = 90.0
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    """Poll `probe` until it returns something truthy; return it, or fail saying what was last seen."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+        time.sleep(0.2)
+
+
+def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, Any] | None:
+    res = cp.kubectl("get", "-n", namespace, *what, "-o", "json", "--show-managed-fields", check=False)
+    if res.returncode != 0:
+        if "NotFound" in res.stderr:
+            return None
+        raise AssertionError(res.stderr)
+    out: dict[str, Any] = json.loads(res.stdout)
+    return out
+
+
+def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    obj = get(cp, namespace, "servedmodel", name)
+    assert obj is not None, f"ServedModel {name} is gone"
+    return obj
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def served_model(name: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "engine": {"maxModelLen": 4096},
+        "resources": {"gpus": 1},
+    }
+    body.update(spec)
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def phase_is(cp: controlplane.ControlPlane, namespace: str, name: str, phase: str) -> Callable[[], Any]:
+    def probe() -> Any:
+        obj = sm(cp, namespace, name)
+        status = obj.get("status") or {}
+        return obj if status.get("phase") == phase else status.get("phase")
+
+    return lambda: r if isinstance(r := probe(), dict) else None
+
+
+def owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
+    refs = obj["metadata"].get("ownerReferences") or []
+    return any(
+        r["uid"] == owner["metadata"]["uid"] and r["kind"] == "ServedModel" and r.get("controller")
+        for r in refs
+    )
+
+
+def events(cp: controlplane.ControlPlane, namespace: str, name: str) -> list[dict[str, Any]]:
+    res = cp.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}", "-o", "json"
+    )
+    return list(json.loads(res.stdout)["items"])
+
+
+def metric(op: OperatorProcess, sample: str, **labels: str) -> float:
+    """One sample of the operator's /metrics, read with prometheus_client's parser."""
+    for family in text_string_to_metric_families(op.metrics()):
+        for s in family.samples:
+            if s.name == sample and s.labels == labels:
+                return float(s.value)
+    raise AssertionError(f"{sample}{labels} not in the operator's /metrics")
+
+
+def test_apply_children_ready_printer_columns_events(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen", servedModelName="qwen-small"))
+    owner = sm(cp, namespace, "qwen")
+
+    dep = wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    svc = wait_for("the engine Service", lambda: get(cp, namespace, "service", names.service_name("qwen")))
+    assert owned_by(dep, owner)
+    assert owned_by(svc, owner)
+    managers = {m["manager"] for m in dep["metadata"]["managedFields"] if m["operation"] == "Apply"}
+    assert managers == {"servedmodel-operator"}
+
+    ready = wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    status = ready["status"]
+    assert condition(ready, "Ready")["status"] == "True"
+    assert condition(ready, "Progressing")["status"] == "False"
+    assert condition(ready, "Degraded")["status"] == "False"
+    assert status["ready"] == "1/1"
+    assert (status["replicas"], status["readyReplicas"]) == (1, 1)
+    assert status["observedGeneration"] == ready["metadata"]["generation"]
+    assert status["endpoint"] == f"http://qwen-engine.{namespace}.svc:8000"
+    assert status["servedModelName"] == "qwen-small"
+    assert status["selector"] == names.selector_string("qwen")
+
+    table = cp.kubectl("get", "sm", "qwen", "-n", namespace).stdout
+    header, row = table.splitlines()[:2]
+    columns = dict(zip(header.split(), row.split(), strict=False))
+    assert (columns["NAME"], columns["READY"], columns["PHASE"]) == ("qwen", "1/1", "Ready")
+
+    got = wait_for(
+        "a Ready event", lambda: [e for e in events(cp, namespace, "qwen") if e["reason"] == "Ready"]
+    )
+    assert got[0]["type"] == "Normal"
+    assert got[0]["involvedObject"]["kind"] == "ServedModel"
+
+
+def test_cache_pvc_is_owned(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("cached", cache={"size": "20Gi"}))
+    owner = sm(cp, namespace, "cached")
+    pvc = wait_for("the cache PVC", lambda: get(cp, namespace, "pvc", names.cache_claim_name("cached")))
+    assert owned_by(pvc, owner)
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+
+
+def test_spec_edit_rolls_the_deployment(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    before = get(cp, namespace, "deployment", "qwen")
+    assert before is not None
+
+    cp.kubectl(
+        "patch",
+        "sm",
+        "qwen",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"engine":{"maxModelLen":8192}}}',
+    )
+
+    def new_args() -> list[str] | None:
+        dep = get(cp, namespace, "deployment", "qwen")
+        args: list[str] = (dep or {})["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        joined = " ".join(args)
+        return args if ("--max-model-len 8192" in joined or "--max-model-len=8192" in joined) else None
+
+    wait_for("--max-model-len 8192 in the pod template", new_args)
+    after = get(cp, namespace, "deployment", "qwen")
+    assert after is not None
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]
+
+    # The rollout finishes on kwok and the status follows the new generation.
+    def caught_up() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "qwen")
+        st = obj.get("status") or {}
+        current = st.get("observedGeneration") == obj["metadata"]["generation"] and st.get("phase") == "Ready"
+        return obj if current else None
+
+    wait_for("status of the new generation, Ready", caught_up)
+
+
+def test_scale_subresource(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+
+    cp.kubectl("scale", "sm", "qwen", "-n", namespace, "--replicas=2")
+    wait_for(
+        "Deployment replicas 2",
+        lambda: ((get(cp, namespace, "deployment", "qwen") or {}).get("spec") or {}).get("replicas") == 2,
+    )
+
+    def two_ready() -> dict[str, Any] | None:
+        st = sm(cp, namespace, "qwen").get("status") or {}
+        return st if (st.get("replicas"), st.get("ready"), st.get("phase")) == (2, "2/2", "Ready") else None
+
+    wait_for("status replicas 2, ready 2/2", two_ready)
+    scale = json.loads(
+        cp.kubectl(
+            "get",
+            "--raw",
+            f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{namespace}/servedmodels/qwen/scale",
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 2
+    assert scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == names.selector_string("qwen")
+
+
+def test_delete_garbage_collects_children(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    wait_for("the engine Service", lambda: get(cp, namespace, "service", "qwen-engine"))
+
+    cp.kubectl("delete", "sm", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for("Deployment gone", lambda: get(cp, namespace, "deployment", "qwen") is None)
+    wait_for("Service gone", lambda: get(cp, namespace, "service", "qwen-engine") is None)
+    assert operator.alive()
+
+
+def test_deleted_deployment_is_recreated(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    first = wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    cp.kubectl("delete", "deployment", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
+
+    def recreated() -> dict[str, Any] | None:
+        dep = get(cp, namespace, "deployment", "qwen")
+        return dep if dep and dep["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+    wait_for("a new engine Deployment", recreated)
+
+
+def test_external_mode_has_no_children(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    endpoint = "http://vllm-qwen.inference.svc.cluster.local:8000"
+    manifest = {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": "ext"},
+        "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", "endpoint": endpoint},
+    }
+    apply(cp, namespace, manifest)
+    ready = wait_for("phase Ready", phase_is(cp, namespace, "ext", "Ready"))
+    assert ready["status"]["endpoint"] == endpoint
+    assert condition(ready, "Ready")["reason"] == "ExternalEndpoint"
+    assert "replicas" not in ready["status"]
+    for kind in ("deployments", "services", "persistentvolumeclaims"):
+        items = json.loads(cp.kubectl("get", kind, "-n", namespace, "-o", "json").stdout)["items"]
+        assert [i["metadata"]["name"] for i in items] == [], kind
+
+
+def test_switch_to_external_prunes_children(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    # Replace the whole spec (a merge would keep engine/resources, which external mode forbids).
+    external = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "http://elsewhere.example:8000"}
+    patch = [{"op": "replace", "path": "/spec", "value": external}]
+    cp.kubectl("patch", "sm", "qwen", "-n", namespace, "--type=json", "-p", json.dumps(patch))
+    wait_for("Deployment pruned", lambda: get(cp, namespace, "deployment", "qwen") is None)
+    wait_for("Service pruned", lambda: get(cp, namespace, "service", "qwen-engine") is None)
+    ready = wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    assert ready["status"]["endpoint"] == "http://elsewhere.example:8000"
+    assert "ready" not in ready["status"]
+
+
+def test_unrenderable_spec_is_invalid_spec_not_a_crash(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    bad = served_model("qwen", engine={"maxModelLen": 4096, "extraArgs": ["--max-model-len=9999"]})
+    apply(cp, namespace, bad)  # the schema lets it through: the conflict is between two fields' meanings
+
+    def invalid() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "qwen")
+        return obj if condition(obj, "InvalidSpec").get("status") == "True" else None
+
+    obj = wait_for("the InvalidSpec condition", invalid)
+    assert "--max-model-len" in condition(obj, "InvalidSpec")["message"]
+    assert obj["status"]["phase"] == "Failed"
+    assert condition(obj, "Ready")["reason"] == "InvalidSpec"
+    assert get(cp, namespace, "deployment", "qwen") is None
+    assert operator.alive()
+    assert operator.healthy()
+
+    # Fixing the spec clears it and the model is served.
+    apply(cp, namespace, served_model("qwen"))
+    fixed = wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    assert condition(fixed, "InvalidSpec") == {}
+
+
+def test_noop_resync_writes_no_status(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    # Let the burst of the rollout settle: the status stops changing once it is Ready and rolled out.
+    before = sm(cp, namespace, "qwen")
+    writes = metric(operator, "servedmodel_status_writes_total")
+    refreshed = metric(operator, "servedmodel_reconcile_total", result="refreshed")
+
+    # A change to the Deployment that changes nothing the status is made of: the operator refreshes.
+    cp.kubectl("label", "deployment", "qwen", "-n", namespace, "example.com/touched=1")
+    wait_for(
+        "a status refresh after the Deployment event",
+        lambda: metric(operator, "servedmodel_reconcile_total", result="refreshed") > refreshed,
+    )
+    after = sm(cp, namespace, "qwen")
+    assert metric(operator, "servedmodel_status_writes_total") == writes
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert after["metadata"]["managedFields"] == before["metadata"]["managedFields"]
+
+
+def test_generation_bump_without_rollout_does_not_flap(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen"))
+    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    before = sm(cp, namespace, "qwen")
+    refreshed = metric(operator, "servedmodel_reconcile_total", result="refreshed")
+    generation = (get(cp, namespace, "deployment", "qwen") or {})["metadata"]["generation"]
+
+    # Annotations bump a Deployment's generation (a legacy of rollbacks) but roll nothing out.
+    cp.kubectl("annotate", "deployment", "qwen", "-n", namespace, "example.com/note=hello")
+    wait_for(
+        "the Deployment controller to observe the new generation",
+        lambda: (
+            ((get(cp, namespace, "deployment", "qwen") or {}).get("status") or {}).get(
+                "observedGeneration", 0
+            )
+            > generation
+        ),
+    )
+    wait_for(
+        "a status refresh after the Deployment event",
+        lambda: metric(operator, "servedmodel_reconcile_total", result="refreshed") > refreshed,
+    )
+    after = sm(cp, namespace, "qwen")
+    assert after["status"]["phase"] == "Ready"
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    flaps = [e for e in events(cp, namespace, "qwen") if e["reason"] == "Progressing" and e["count"] >= 1]
+    assert len(flaps) <= 1  # at most the one from the initial rollout

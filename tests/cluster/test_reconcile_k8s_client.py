@@ -1,0 +1,159 @@
+"""servedmodel.k8s.KubeClient against the real kube-apiserver (TLS with the kubeconfig's CA and token).
+
+Includes the contract the probe relies on: two field managers server-side applying /status of one
+ServedModel keep each other's conditions (status.conditions is a list-map keyed by type).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import yaml
+
+import controlplane
+from servedmodel.api import API_GROUP_VERSION, PLURAL
+from servedmodel.config import FIELD_MANAGER, PROBE_FIELD_MANAGER
+from servedmodel.k8s import ConflictError, KubeClient
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+async def client(control_plane: controlplane.ControlPlane) -> AsyncIterator[KubeClient]:
+    async with KubeClient.from_environment(str(control_plane.kubeconfig)) as c:
+        yield c
+
+
+def configmap(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": "k8s-client-test"}},
+        "data": data,
+    }
+
+
+async def test_apply_get_list_delete(client: KubeClient, namespace: str) -> None:
+    applied = await client.apply(configmap("a", namespace, {"k": "1"}), "test-manager")
+    assert applied["data"] == {"k": "1"}
+    again = await client.apply(configmap("a", namespace, {"k": "1"}), "test-manager")
+    assert again["metadata"]["resourceVersion"] == applied["metadata"]["resourceVersion"]  # no-op apply
+    await client.apply(configmap("b", namespace, {"k": "2"}), "test-manager")
+
+    got = await client.get("v1", "configmaps", namespace, "a")
+    assert got is not None
+    assert [m["manager"] for m in got["metadata"]["managedFields"]] == ["test-manager"]
+    listed = await client.list(
+        "v1", "configmaps", namespace, label_selector="app=k8s-client-test", page_size=1
+    )
+    assert sorted(o["metadata"]["name"] for o in listed) == ["a", "b"]  # two pages
+
+    assert await client.delete("v1", "configmaps", namespace, "a") is True
+    assert await client.delete("v1", "configmaps", namespace, "a") is False
+    assert await client.get("v1", "configmaps", namespace, "a") is None
+
+
+async def test_conflicts_without_force(client: KubeClient, namespace: str) -> None:
+    await client.apply(configmap("c", namespace, {"k": "1"}), "owner")
+    with pytest.raises(ConflictError) as err:
+        await client.apply(configmap("c", namespace, {"k": "2"}), "intruder", force=False)
+    assert err.value.status == 409
+    assert "conflict" in err.value.message.lower()
+    taken = await client.apply(configmap("c", namespace, {"k": "2"}), "intruder", force=True)
+    assert taken["data"] == {"k": "2"}
+
+
+async def test_discovery(client: KubeClient) -> None:
+    assert await client.discover("apps/v1") is True
+    assert await client.discover(API_GROUP_VERSION) is True
+    assert await client.discover("route.openshift.io/v1") is False
+    assert (await client.resource(API_GROUP_VERSION, "ServedModel")).plural == PLURAL
+
+
+async def test_two_managers_share_status(
+    client: KubeClient, control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    # An external-mode ServedModel: no operator runs here, so only the two writers below touch status.
+    cr = {
+        "apiVersion": API_GROUP_VERSION,
+        "kind": "ServedModel",
+        "metadata": {"name": "shared"},
+        "spec": {"model": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "http://127.0.0.1:9/"},
+    }
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(cr))
+
+    def cond(type_: str, status: str, reason: str) -> dict[str, Any]:
+        return {
+            "type": type_,
+            "status": status,
+            "reason": reason,
+            "message": "",
+            "lastTransitionTime": "2026-11-29T18:00:00Z",
+        }
+
+    await client.apply_status(
+        API_GROUP_VERSION,
+        PLURAL,
+        namespace,
+        "shared",
+        {"phase": "Ready", "conditions": [cond("Ready", "True", "ExternalEndpoint")]},
+        FIELD_MANAGER,
+    )
+    await client.apply_status(
+        API_GROUP_VERSION,
+        PLURAL,
+        namespace,
+        "shared",
+        {"conditions": [cond("Serving", "False", "ConnectionRefused")]},
+        PROBE_FIELD_MANAGER,
+    )
+    # The reconciler writes again, with only its own conditions: the probe's stay.
+    obj = await client.apply_status(
+        API_GROUP_VERSION,
+        PLURAL,
+        namespace,
+        "shared",
+        {"phase": "Degraded", "conditions": [cond("Ready", "False", "Whatever")]},
+        FIELD_MANAGER,
+    )
+    status = obj["status"]
+    assert status["phase"] == "Degraded"
+    assert {c["type"]: c["reason"] for c in status["conditions"]} == {
+        "Ready": "Whatever",
+        "Serving": "ConnectionRefused",
+    }
+    managers = {m["manager"] for m in obj["metadata"]["managedFields"] if m.get("subresource") == "status"}
+    assert managers == {FIELD_MANAGER, PROBE_FIELD_MANAGER}
+
+
+async def test_endpoint_slices_and_events(client: KubeClient, namespace: str) -> None:
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "engine", "namespace": namespace},
+        "spec": {"selector": {"app": "nothing"}, "ports": [{"name": "http", "port": 8000}]},
+    }
+    await client.apply(service, "test-manager")
+    deadline = time.monotonic() + 60.0
+    slices: list[dict[str, Any]] = []
+    while not slices:  # the EndpointSlice controller (controller-manager) creates one, empty
+        slices = await client.list_endpoint_slices(namespace, "engine")
+        assert time.monotonic() < deadline, "no EndpointSlice for the Service"
+        await asyncio.sleep(0.2)
+    assert slices[0]["metadata"]["labels"]["kubernetes.io/service-name"] == "engine"
+    assert not slices[0].get("endpoints")  # nothing matches the selector
+
+    svc = await client.get("v1", "services", namespace, "engine")
+    assert svc is not None
+    await client.create_event(
+        {"apiVersion": "v1", "kind": "Service", "metadata": svc["metadata"]},
+        type="Normal",
+        reason="Tested",
+        message="an event from the k8s client",
+    )
+    events = await client.list("v1", "events", namespace, field_selector="involvedObject.name=engine")
+    assert [(e["type"], e["reason"]) for e in events if e["reason"] == "Tested"] == [("Normal", "Tested")]
