@@ -1,0 +1,141 @@
+"""Servers the simulator does not imitate, as real aiohttp servers on loopback: an OpenAI-compatible
+server that does not enforce max_model_len, one whose /tokenize disagrees with its usage, one that drops
+usage, one that answers /v1/models with HTML, and one that answers a streamed request with plain JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from servedmodel.api.probe import ProbeSpec
+from servedmodel.probe import errors as er
+from servedmodel.probe.client import ProbeOutcome, probe_client, run_probe
+from servedmodel.probe.endpoints import resolve_external
+
+CHATML_STRS = ["<|im_start|>", "user", "Ċ", "x", "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]
+
+
+@dataclass
+class Odd:
+    """What the server gets wrong."""
+
+    models_html: bool = False
+    tokenize_count: int = 20
+    usage: bool = True
+    json_instead_of_stream: bool = False
+
+
+def app(odd: Odd) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(_: web.Request) -> web.Response:
+        if odd.models_html:
+            return web.Response(text="<html>gateway</html>", content_type="text/html")
+        return web.json_response(
+            {"object": "list", "data": [{"id": "qwen", "object": "model", "max_model_len": 64}]}
+        )
+
+    async def tokenize(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"count": odd.tokenize_count, "max_model_len": 64, "token_strs": CHATML_STRS}
+        )
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):  # the oversized prompt: accepted, no limit enforced
+            return web.json_response({"choices": [{"index": 0, "message": {"content": "ok"}}]})
+        if odd.json_instead_of_stream:
+            return web.json_response({"choices": []})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ["one", " two", " three", " four"]:
+            chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        last = {
+            "choices": [
+                {"index": 0, "delta": {"content": " "}, "finish_reason": "stop", "stop_reason": "five"}
+            ]
+        }
+        await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+        if odd.usage:
+            usage = {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    a = web.Application()
+    a.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/v1/models", models),
+            web.post("/tokenize", tokenize),
+            web.post("/v1/chat/completions", chat),
+        ]
+    )
+    return a
+
+
+@pytest.fixture
+async def odd_server() -> AsyncIterator[tuple[str, Odd]]:
+    odd = Odd()
+    runner = web.AppRunner(app(odd))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", odd
+    finally:
+        await runner.cleanup()
+
+
+async def probe(url: str, **spec: Any) -> ProbeOutcome:
+    s = ProbeSpec.model_validate(spec)
+    async with probe_client(s) as client:
+        return await run_probe(client, resolve_external(url), s, model="qwen")
+
+
+async def test_unenforced_limit_fails_limits(odd_server: tuple[str, Odd]) -> None:
+    url, _ = odd_server
+    out = await probe(url)
+    assert out.failure is None
+    assert (out.checks["limits"].result, out.checks["limits"].reason) == ("Fail", "LimitNotEnforced")
+    assert out.checks["template"].result == "Pass"
+    assert out.checks["stop"].result == "Pass"
+
+
+async def test_tokenize_disagreeing_with_usage_fails_template(odd_server: tuple[str, Odd]) -> None:
+    url, odd = odd_server
+    odd.tokenize_count = 17
+    out = await probe(url)
+    assert (out.checks["template"].result, out.checks["template"].reason) == ("Fail", "PromptTokensMismatch")
+
+
+async def test_missing_usage_fails_usage(odd_server: tuple[str, Odd]) -> None:
+    url, odd = odd_server
+    odd.usage = False
+    out = await probe(url)
+    assert out.failure is None
+    assert (out.checks["usage"].result, out.checks["usage"].reason) == ("Fail", "UsageMissing")
+
+
+async def test_html_models_is_malformed_response(odd_server: tuple[str, Odd]) -> None:
+    url, odd = odd_server
+    odd.models_html = True
+    out = await probe(url)
+    assert out.failure is not None
+    assert out.failure.reason == er.MALFORMED_RESPONSE
+
+
+async def test_json_instead_of_stream_is_malformed_stream(odd_server: tuple[str, Odd]) -> None:
+    url, odd = odd_server
+    odd.json_instead_of_stream = True
+    out = await probe(url)
+    assert out.failure is not None
+    assert out.failure.reason == er.MALFORMED_STREAM
