@@ -37,42 +37,46 @@ def counter(sim: SimulatorProcess, name: str, **labels: str) -> float:
 async def test_queueing_with_max_num_seqs_4_and_16_concurrent() -> None:
     args = [*BASE_ARGS, "--max-num-seqs", "4", "--sim-step-base-ms", "20", "--sim-running-seq-ms", "0.5"]
     async with SimulatorProcess(args, ready_timeout=60) as sim:
-        c = aclient(sim)
         waiting_seen: list[float] = []
         done = asyncio.Event()
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
 
         async def watch() -> None:
             async with httpx.AsyncClient(timeout=5) as h:
                 while not done.is_set():
-                    waiting_seen.append(
-                        gauge((await h.get(f"{sim.base_url}/metrics")).text, "vllm:num_requests_waiting")
-                    )
-                    await asyncio.sleep(0.01)
+                    text = (await h.get(f"{sim.base_url}/metrics")).text
+                    waiting_seen.append(gauge(text, "vllm:num_requests_waiting"))
+                    await asyncio.sleep(0.02)
 
-        async def one(i: int) -> tuple[str, float]:
+        async def one(h: httpx.AsyncClient, i: int) -> tuple[str, float]:
+            body = {
+                "model": "qwen",
+                "messages": [{"role": "user", "content": f"request {i}: one two three"}],
+                "max_tokens": 30,
+                "ignore_eos": True,
+                "stream": True,
+            }
             sent = time.monotonic()
-            stream = await c.chat.completions.create(
-                model="qwen",
-                messages=[{"role": "user", "content": f"request {i}: one two three"}],
-                max_tokens=10,
-                stream=True,
-                extra_body={"ignore_eos": True},
-                extra_headers={"X-Request-Id": f"load-{i}"},
-            )
             ttft = None
-            async for chunk in stream:
-                if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-                    ttft = time.monotonic() - sent
+            async with h.stream(
+                "POST",
+                f"{sim.base_url}/v1/chat/completions",
+                json=body,
+                headers={"X-Request-Id": f"load-{i}"},
+            ) as resp:
+                async for line in resp.aiter_lines():
+                    if ttft is None and line.startswith("data: ") and '"delta":{"content":' in line:
+                        ttft = time.monotonic() - sent
             assert ttft is not None
             return f"chatcmpl-load-{i}", ttft
 
         watcher = asyncio.create_task(watch())
         try:
-            results = dict(await asyncio.gather(*(one(i) for i in range(16))))
+            async with httpx.AsyncClient(timeout=60, limits=limits) as h:
+                results = dict(await asyncio.gather(*(one(h, i) for i in range(16))))
         finally:
             done.set()
             await watcher
-        await c.close()
 
         state = engine_state(sim)
         assert state["max_running"] == 4
@@ -83,12 +87,13 @@ async def test_queueing_with_max_num_seqs_4_and_16_concurrent() -> None:
         last = max(rows.values(), key=lambda r: r["scheduled"])
         truth_ms = last["queue_ms"] + last["prefill_ms"]
         assert last["ttft_ms"] == pytest.approx(truth_ms, abs=0.01)
-        # It waited for three batches of four: roughly 3 batches of 10 steps of at least 20 ms.
-        assert last["queue_ms"] > 3 * 10 * 20 * 0.8
+        # It waited for the batches ahead of it: at least two of 30 steps of at least 20 ms.
+        assert last["queue_ms"] > 2 * 30 * 20
         client_ms = results[last["request_id"]] * 1000
-        # The client's TTFT is the server's queue + prefill plus the door and loopback: a few ms.
+        # The client's TTFT is the server's queue + prefill plus the door and loopback (a few ms on an
+        # idle machine; the margin is for a busy one).
         assert client_ms >= truth_ms - 1.0
-        assert client_ms - truth_ms < 0.25 * truth_ms + 50
+        assert client_ms - truth_ms < 0.5 * truth_ms + 100
 
 
 async def test_prefill_time_grows_by_configured_per_token_cost() -> None:

@@ -102,6 +102,7 @@ class Request:
         "pending_tokens",
         "plan_cycle",
         "plan_prefix",
+        "prev_token",
         "prompt_ids",
         "request_id",
         "sent_chars",
@@ -110,7 +111,7 @@ class Request:
         "stop_reason",
         "stop_token_ids",
         "text",
-        "token_times",
+        "total_tokens",
     )
 
     def __init__(
@@ -165,13 +166,14 @@ class Request:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.token_times: list[float] = []
+        self.prev_token: float | None = None  # the token before the last (for inter-token latency)
+        self.total_tokens = len(prompt_ids)  # prompt + output, kept as a count for the hot path
         self._detok: IncrementalDetokenizer | None = None
 
     # -- derived -------------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.total_tokens
 
     @property
     def finished(self) -> bool:
@@ -400,7 +402,7 @@ class Engine:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed
+            num_new = req.total_tokens - req.num_computed
             if num_new > budget:
                 if not cfg.enable_chunked_prefill and req.num_computed < len(req.prompt_ids):
                     i += 1
@@ -432,7 +434,7 @@ class Engine:
                     self.prefix_queries += len(req.prompt_ids)
                     self.prefix_hits += hit
                     req.num_cached_tokens = hit
-            num_new = req.num_tokens - req.num_computed
+            num_new = req.total_tokens - req.num_computed
             if num_new > budget:
                 if not cfg.enable_chunked_prefill:
                     break
@@ -475,15 +477,18 @@ class Engine:
         self.steps += 1
         touched: list[Request] = []
         first_tokens: list[Request] = []
+        kv = self.kv
         for req, num_new in plan.scheduled:
             if req.state != RUNNING:
                 continue  # aborted while the step ran
             prompt_len = len(req.prompt_ids)
             if req.num_computed < prompt_len:
                 req.num_prefill_computed += min(num_new, prompt_len - req.num_computed)
-            req.num_computed += num_new
-            self.kv.commit(req)
-            if req.num_computed < req.num_tokens:
+                req.num_computed += num_new
+                kv.commit(req)
+            else:
+                req.num_computed += num_new
+            if req.num_computed < req.total_tokens:
                 continue  # a prefill chunk: no token yet
             if req.first_token is None:
                 req.first_token = now
@@ -510,10 +515,11 @@ class Engine:
         else:
             token = req.plan_cycle[(k - len(req.plan_prefix)) % len(req.plan_cycle)]
         req.output_ids.append(token)
+        req.total_tokens += 1
         req.completion_tokens += 1
         req.pending_tokens += 1
+        req.prev_token = req.last_token
         req.last_token = now
-        req.token_times.append(now)
         if can_stop and token == req.eos_token_id and not req.ignore_eos:
             req.finish_reason = "stop"
             return
@@ -534,7 +540,7 @@ class Engine:
                         req.sent_chars = min(req.sent_chars, idx)
                         req.finish_reason, req.stop_reason = "stop", s
                         return
-        if req.completion_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.completion_tokens >= req.max_tokens or req.total_tokens >= self.config.max_model_len:
             req.finish_reason = "length"
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None, now: float | None) -> None:

@@ -88,6 +88,10 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+# A JSON string literal as pydantic writes it (UTF-8 kept, control characters escaped): C speed.
+_json_str: Callable[[str], str] = json.encoder.encode_basestring
+
+
 def _validation_error(message: str, param: str, input_summary: str) -> ApiError:
     """A request-model validator's error as vLLM's FastAPI handler words it (400 "Bad Request")."""
     msg = f"Value error, {message} (parameter={param})"
@@ -306,8 +310,9 @@ class Simulator:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         if self.faults.dead:
-            for req in self.engine.abort_all("error", time.monotonic()):
-                req.error = ENGINE_DEAD_MESSAGE
+            for req in self.engine.requests.values():
+                req.error = ENGINE_DEAD_MESSAGE  # before the abort: its notification sends the error
+            self.engine.abort_all("error", time.monotonic())
         log.info("faults now %s", self.faults.as_dict())
         return web.json_response(self.faults.as_dict(), dumps=_dumps)
 
@@ -507,7 +512,11 @@ class Simulator:
             self.engine.add(req)
             self.loop.kick()
             if stream:
-                return await self._stream(request, body, req, wake, chat)
+                try:
+                    return await self._stream(request, body, req, wake, chat)
+                except ConnectionResetError:
+                    # The client went away mid-stream: the finally below aborts the request, nothing to log.
+                    return web.Response(status=499)
             return await self._full(body, req, wake, chat)
         finally:
             if not req.finished:
@@ -578,100 +587,182 @@ class Simulator:
         self, request: web.Request, body: dict[str, Any], req: Request, wake: asyncio.Event, chat: bool
     ) -> web.StreamResponse:
         opts = body.get("stream_options") or {}
-        include_usage = bool(opts.get("include_usage"))
-        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
-        model = _dumps(body.get("model") or self.model_name)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = f'data: {{"id":"{req.request_id}","object":"{obj}","created":{created},"model":{model},'
-        head += '"choices":['
-        prompt_tokens = len(req.prompt_ids)
-        faults = self.faults
-
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        resp.enable_chunked_encoding()
         await resp.prepare(request)
+        # aiohttp holds the headers back until the first body bytes; vLLM sends them at once, before the
+        # request is queued (time-to-headers = the door), so flush them now.
+        await resp.write(b"")
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client gone before the stream started")
+        sink = SseSink(
+            self,
+            req,
+            transport,
+            chat=chat,
+            model=body.get("model") or self.model_name,
+            include_usage=bool(opts.get("include_usage")),
+            continuous=bool(opts.get("include_usage")) and bool(opts.get("continuous_usage_stats")),
+        )
+        # From here the engine loop writes this stream's chunks itself, at the end of each step.
+        req.notify = sink.on_output
+        sink.on_output()  # anything produced while the headers went out
+        outcome = await sink.done
+        if outcome == "drop":
+            transport.close()  # mid-body: the client sees a truncated chunked response
+            raise ConnectionResetError("stream dropped by fault injection")
+        if outcome == "stall":
+            await asyncio.Event().wait()  # silent, connection open, until the client gives up
+        await resp.write_eof()
+        return resp
 
-        def usage(completion: int, tail: str = "") -> str:
-            return (
-                f'"usage":{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion},'
-                f'"completion_tokens":{completion}{tail}}}'
+
+class SseSink:
+    """Writes one request's SSE chunks straight to its socket from the engine loop, once per step.
+
+    No task wake-up per token and one socket write per stream per step: this is what lets one core stream
+    hundreds of concurrent requests. Chunk bytes are formatted from templates in vLLM's field order
+    (exclude_unset for streamed chunks, exclude_none for the final usage chunk); only the text delta goes
+    through a JSON string encoder.
+    """
+
+    __slots__ = (
+        "_details",
+        "_first",
+        "_head",
+        "_prompt_tokens",
+        "chat",
+        "continuous",
+        "done",
+        "include_usage",
+        "req",
+        "sent_tokens",
+        "sim",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        sim: Simulator,
+        req: Request,
+        transport: asyncio.Transport | asyncio.BaseTransport,
+        *,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        continuous: bool,
+    ) -> None:
+        self.sim = sim
+        self.req = req
+        self.transport: Any = transport
+        self.chat = chat
+        self.include_usage = include_usage
+        self.continuous = continuous
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.sent_tokens = 0
+        self._first = True
+        self._prompt_tokens = len(req.prompt_ids)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        model_json = _json_str(model)
+        self._head = (
+            f'data: {{"id":"{req.request_id}","object":"{obj}","created":{created},"model":{model_json},'
+            '"choices":['
+        )
+        self._details = ',"completion_tokens_details":null' if chat else ""
+
+    def _usage(self, completion: int, tail: str = "") -> str:
+        p = self._prompt_tokens
+        return (
+            f'"usage":{{"prompt_tokens":{p},"total_tokens":{p + completion},'
+            f'"completion_tokens":{completion}{tail}}}'
+        )
+
+    def _finish(self, outcome: str) -> None:
+        if not self.done.done():
+            self.done.set_result(outcome)
+
+    def on_output(self) -> None:
+        if self.done.done():
+            return
+        req = self.req
+        transport = self.transport
+        if transport.is_closing():
+            self._finish("gone")  # the handler's cancellation (or finally) aborts the request
+            return
+        if req.error:
+            err = _dumps(ApiError(500, req.error, "InternalServerError").body())
+            self._write(f"data: {err}\n\ndata: [DONE]\n\n")
+            self._finish("error")
+            return
+        delta, ntok = req.take_delta()
+        finished = req.finished
+        if not ntok and not finished:
+            return
+        self.sent_tokens += ntok
+        head = self._head
+        chat = self.chat
+        parts: list[str] = []
+        cu = "," + self._usage(self.sent_tokens, self._details) if self.continuous else ""
+        if chat and self._first:
+            cu0 = "," + self._usage(0, self._details) if self.continuous else ""
+            parts.append(
+                f'{head}{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                f'"finish_reason":null}}]{cu0},"prompt_token_ids":null,"prompt_text":null}}\n\n'
             )
-
-        details = ',"completion_tokens_details":null' if chat else ""
-        sent_tokens = 0
-        first = True
-        while True:
-            await wake.wait()
-            wake.clear()
-            if req.error:
-                err = ApiError(500, req.error, "InternalServerError").body()
-                await resp.write(f"data: {_dumps(err)}\n\ndata: [DONE]\n\n".encode())
-                return resp
-            delta, ntok = req.take_delta()
-            done = req.finished
-            if not ntok and not done:
-                continue
-            sent_tokens += ntok
-            parts: list[str] = []
-            cu = "," + usage(sent_tokens, details) if continuous else ""
-            if chat and first:
-                cu0 = "," + usage(0, details) if continuous else ""
-                parts.append(
-                    head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-                    f'"finish_reason":null}}]{cu0},"prompt_token_ids":null,"prompt_text":null}}\n\n'
+        self._first = False
+        text = _json_str(delta)
+        faults = self.sim.faults
+        if finished:
+            reason = _json_str(req.finish_reason or "abort")
+            stop_reason = _dumps(req.stop_reason)
+            if chat:
+                choice = (
+                    f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason},'
+                    f'"stop_reason":{stop_reason},"token_ids":null,"weight_versions":null}}'
                 )
-            first = False
-            text = _dumps(delta)
-            if done:
-                reason = _dumps(req.finish_reason if req.finish_reason != "abort" else "abort")
-                stop_reason = _dumps(req.stop_reason)
-                if chat:
-                    choice = (
-                        f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason},'
-                        f'"stop_reason":{stop_reason},"token_ids":null,"weight_versions":null}}'
-                    )
-                else:
-                    choice = (
-                        f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},'
-                        f'"stop_reason":{stop_reason},"prompt_token_ids":null,"token_ids":null,'
-                        '"weight_versions":null}'
-                    )
-                parts.append(f'{head}{choice}]{cu},"kv_transfer_params":null}}\n\n')
-                if include_usage:
-                    parts.append(f"{head}],{usage(req.completion_tokens)}}}\n\n")
-                parts.append("data: [DONE]\n\n")
-            elif delta or not chat:
-                if faults.malformed_chunk_rate and faults.hit(self.rng, faults.malformed_chunk_rate):
-                    parts.append(
-                        f'{head}{{"index":0,"delta":{{"content":{text[: max(1, len(text) // 2)]}\n\n'
-                    )
-                elif chat:
-                    parts.append(
-                        f'{head}{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null,'
-                        f'"token_ids":null}}]{cu},"kv_transfer_params":null}}\n\n'
-                    )
-                else:
-                    parts.append(
-                        f'{head}{{"index":0,"text":{text},"logprobs":null,"finish_reason":null,"stop_reason":null,'
-                        f'"prompt_token_ids":null,"token_ids":null,"weight_versions":null}}]{cu},'
-                        '"kv_transfer_params":null}\n\n'
-                    )
-            if parts:
-                await resp.write("".join(parts).encode())
-            if done:
-                await resp.write_eof()
-                return resp
-            if faults.drop_after_tokens is not None and sent_tokens >= faults.drop_after_tokens:
-                self.engine.abort(req.request_id, "abort", time.monotonic())
-                if request.transport is not None:
-                    request.transport.close()  # mid-body: the client sees a truncated chunked response
-                return resp
-            if faults.stall_after_tokens is not None and sent_tokens >= faults.stall_after_tokens:
-                # The stream goes silent with the connection open until the client gives up. The engine side
-                # ends now (counted as an abort), so a stalled probe does not leak into the next window.
-                self.engine.abort(req.request_id, "abort", time.monotonic())
-                self.loop.kick()
-                await asyncio.Event().wait()
+            else:
+                choice = (
+                    f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},'
+                    f'"stop_reason":{stop_reason},"prompt_token_ids":null,"token_ids":null,'
+                    '"weight_versions":null}'
+                )
+            parts.append(f'{head}{choice}]{cu},"kv_transfer_params":null}}\n\n')
+            if self.include_usage:
+                parts.append(f"{head}],{self._usage(req.completion_tokens)}}}\n\n")
+            parts.append("data: [DONE]\n\n")
+        elif delta or not chat:
+            if faults.malformed_chunk_rate and faults.hit(self.sim.rng, faults.malformed_chunk_rate):
+                parts.append(f'{head}{{"index":0,"delta":{{"content":{text[: max(1, len(text) // 2)]}\n\n')
+            elif chat:
+                parts.append(
+                    f'{head}{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null,'
+                    f'"token_ids":null}}]{cu},"kv_transfer_params":null}}\n\n'
+                )
+            else:
+                parts.append(
+                    f'{head}{{"index":0,"text":{text},"logprobs":null,"finish_reason":null,"stop_reason":null,'
+                    f'"prompt_token_ids":null,"token_ids":null,"weight_versions":null}}]{cu},'
+                    '"kv_transfer_params":null}\n\n'
+                )
+        if parts:
+            self._write("".join(parts))
+        if finished:
+            self._finish("finished")
+            return
+        stall, drop = faults.stall_after_tokens, faults.drop_after_tokens
+        if (drop is not None and self.sent_tokens >= drop) or (
+            stall is not None and self.sent_tokens >= stall
+        ):
+            # The engine side ends now (counted as an abort), so a broken stream does not leak into the
+            # next probe's window.
+            self._finish("drop" if drop is not None and self.sent_tokens >= drop else "stall")
+            self.sim.engine.abort(req.request_id, "abort", time.monotonic())  # done first: no final chunk
+
+    def _write(self, text: str) -> None:
+        data = text.encode()
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one HTTP/1.1 chunk
 
 
 async def serve(settings: SimSettings, *, ready: Callable[[int], None] | None = None) -> None:
