@@ -89,7 +89,8 @@ def missing_binaries(bin_dir: Path | None = None) -> list[str]:
     """What hack/build-control-plane.sh still has to build (empty when the control plane can start)."""
     bin_dir = bin_dir or default_bin_dir()
     missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
-    missing += [f"kwok-stages/{f}" for f in STAGE_FILES if not (stages_dir(bin_dir) / f).is_file()]
+    if not all((stages_dir(bin_dir) / f).is_file() for f in STAGE_FILES):
+        missing.append("kwok-stages")
     return missing
 
 
@@ -461,6 +462,9 @@ def start(
             raise ControlPlaneError(
                 f"{directory} already holds a control plane (pids file); run `down` first"
             )
+        # What a stopped launch left behind (data, keys, logs) is replaced: every start is fresh.
+        for stale in ("etcd", "pki", "logs"):
+            shutil.rmtree(directory / stale, ignore_errors=True)
     launcher = _Launcher(directory, bin_dir, detach)
     etcd_port, etcd_peer, api_port = free_ports(3)
     token = secrets.token_hex(16)
@@ -517,6 +521,8 @@ def start(
             "--allow-privileged=true",
             "--endpoint-reconciler-type=none",
             "--v=1",
+            # Extra flags for experiments/debugging, e.g. "--v=4 --feature-gates=...".
+            *os.environ.get("SERVEDMODEL_APISERVER_FLAGS", "").split(),
         ])  # fmt: skip
 
         def api_ready() -> bool:
@@ -608,6 +614,23 @@ def running(directory: Path | None = None, **kwargs: Any) -> Iterator[ControlPla
         cp.stop()
 
 
+def _bench(n: int) -> int:
+    """Warm start/stop times (binaries built): what each test session pays once."""
+    rows = []
+    for _ in range(n):
+        cp = start()
+        api = json.loads((cp.dir / "controlplane.json").read_text())["apiserver_ready_s"]
+        t0 = time.monotonic()
+        cp.stop()
+        rows.append((api, cp.startup_s, time.monotonic() - t0))
+    print(f"{'run':>3}  {'apiserver /readyz':>17}  {'ready (node+SA)':>15}  {'stop':>6}")
+    for i, (api, ready, stop) in enumerate(rows, 1):
+        print(f"{i:>3}  {api:>16.1f}s  {ready:>14.1f}s  {stop:>5.1f}s")
+    med = sorted(r[1] for r in rows)[len(rows) // 2]
+    print(f"median ready: {med:.1f}s  (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
+    return 0
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="controlplane.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -619,19 +642,23 @@ def _main(argv: Sequence[str] | None = None) -> int:
     down = sub.add_parser("down", help="stop what DIR/pids records")
     down.add_argument("--dir", type=Path, required=True)
     sub.add_parser("missing", help="print binaries still to build; exit 1 if any")
+    bench = sub.add_parser("bench", help="start and stop N times; print a table of the phase times")
+    bench.add_argument("-n", type=int, default=3)
     args = parser.parse_args(argv)
 
     if args.cmd == "missing":
         missing = missing_binaries()
         print("\n".join(missing) if missing else f"all present in {default_bin_dir()}")
         return 1 if missing else 0
+    if args.cmd == "bench":
+        return _bench(args.n)
     if args.cmd == "down":
         stopped = stop_dir(args.dir)
         print(f"stopped {', '.join(f'{n} ({p})' for n, p in stopped) or 'nothing (none running)'}")
         return 0
     try:
         cp = start(args.dir, bin_dir=args.bin_dir, timeout=args.timeout, detach=not args.foreground)
-    except ControlPlaneError as e:
+    except (ControlPlaneError, OSError, subprocess.SubprocessError) as e:
         print(f"control plane failed: {e}", file=sys.stderr)
         return 1
     print(f"control plane ready in {cp.startup_s:.1f}s: {cp.server}")

@@ -93,14 +93,15 @@ up() {
   "${kubectl}" wait --for=condition=Established --timeout=60s "${crds[@]}" >&2
 
   # The simulator serves what the sample asks for, so the operator's probes name a model it knows.
-  local model served_name
+  local model served_name name
   if [[ -f "${SAMPLE}" ]]; then
-    read -r model served_name < <("${PY}" -c '
+    read -r name model served_name < <("${PY}" -c '
 import sys, yaml
-spec = yaml.safe_load(open(sys.argv[1]))["spec"]
-print(spec["model"], spec.get("servedModelName") or spec["model"])' "${SAMPLE}")
+sm = yaml.safe_load(open(sys.argv[1]))
+spec = sm["spec"]
+print(sm["metadata"]["name"], spec["model"], spec.get("servedModelName") or spec["model"])' "${SAMPLE}")
   else
-    model="Qwen/Qwen2.5-7B-Instruct" served_name="qwen"
+    name="qwen" model="Qwen/Qwen2.5-7B-Instruct" served_name="qwen"
   fi
   local sim_port metrics_port health_port
   sim_port="$(free_port)"
@@ -116,7 +117,7 @@ print(spec["model"], spec.get("servedModelName") or spec["model"])' "${SAMPLE}")
   log "starting the operator (probes go to the simulator; metrics :${metrics_port}, health :${health_port})"
   SERVEDMODEL_ENDPOINT_OVERRIDE="http://127.0.0.1:${sim_port}" \
     SERVEDMODEL_METRICS_PORT="${metrics_port}" SERVEDMODEL_HEALTH_PORT="${health_port}" \
-    setsid "${SM}" run </dev/null >"${LOGS}/operator.log" 2>&1 &
+    setsid "${SM}" run --all-namespaces --bind-address 127.0.0.1 </dev/null >"${LOGS}/operator.log" 2>&1 &
   echo "operator $!" >>"${PIDS}"
   wait_http "http://127.0.0.1:${health_port}/healthz" 60 operator "$!" ||
     { tail -20 "${LOGS}/operator.log" >&2; down; die "the operator did not start (log: ${LOGS}/operator.log)"; }
@@ -129,7 +130,7 @@ print(spec["model"], spec.get("servedModelName") or spec["model"])' "${SAMPLE}")
 apiVersion: inference.servedmodel.io/v1alpha1
 kind: ServedModel
 metadata:
-  name: qwen
+  name: ${name}
   namespace: default
 spec:
   model: ${model}
@@ -151,11 +152,11 @@ EOF
   cat >&2 <<EOF
 
 Running: control plane, simulator (http://127.0.0.1:${sim_port}/v1), operator.
-  source ${STATE}/env                 # KUBECONFIG and kubectl on PATH
-  kubectl get sm -A                   # printer columns: phase latencies from the probes
-  kubectl describe sm qwen
+  source ${STATE}/env       # KUBECONFIG and kubectl on PATH
+  kubectl get sm -A         # printer columns: phase latencies (ms) from the operator's probes
+  kubectl describe sm ${name}
   logs: ${LOGS}/{operator,sim}.log and ${CP_DIR}/logs/
-  make down                           # stops everything
+  make down                 # stops everything
 EOF
 }
 
