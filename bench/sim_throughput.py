@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "operator"))
-
-from servedmodel.sim.process import SimulatorProcess  # noqa: E402
+from servedmodel.sim.process import SimulatorProcess
 
 CONTENT = b'"delta":{"content":'
 
@@ -50,6 +47,8 @@ class Row:
     lateness_p99_ms: float
     lateness_max_ms: float
     steps: int
+    server_cpu: float  # share of one core the server used in the window
+    tokens_per_cpu_s: float  # tokens streamed per second of server CPU: what a whole core would sustain
 
 
 class Load:
@@ -109,6 +108,12 @@ class Load:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def generation_tokens(base_url: str) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     for fam in text_string_to_metric_families(text):
@@ -126,10 +131,10 @@ async def measure(sim: SimulatorProcess, streams: int, seconds: float, warmup: f
     async with httpx.AsyncClient(timeout=10) as h:
         await h.post(f"{sim.base_url}/debug/reset")
         tokens0 = await asyncio.to_thread(generation_tokens, sim.base_url)
-        chunks0, t0 = load.chunks, time.monotonic()
+        chunks0, t0, cpu0 = load.chunks, time.monotonic(), cpu_seconds(sim.pid)
         await asyncio.sleep(seconds)
         tokens1 = await asyncio.to_thread(generation_tokens, sim.base_url)
-        chunks1, t1 = load.chunks, time.monotonic()
+        chunks1, t1, cpu1 = load.chunks, time.monotonic(), cpu_seconds(sim.pid)
         eng = (await h.get(f"{sim.base_url}/debug/engine")).json()
         cfg = (await h.get(f"{sim.base_url}/admin/config")).json()
     stop.set()
@@ -145,11 +150,15 @@ async def measure(sim: SimulatorProcess, streams: int, seconds: float, warmup: f
         lateness_p99_ms=eng["lateness_p99_ms"],
         lateness_max_ms=eng["lateness_max_ms"],
         steps=int(eng["steps"]),
+        server_cpu=(cpu1 - cpu0) / (t1 - t0),
+        tokens_per_cpu_s=(tokens1 - tokens0) / max(cpu1 - cpu0, 1e-9),
     )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
@@ -182,10 +191,24 @@ def main() -> int:
         with SimulatorProcess(sim_args, ready_timeout=60, cpu=server_cpu) as sim:
             rows.append(asyncio.run(measure(sim, streams, args.seconds, args.warmup, args.max_tokens)))
 
-    print(f"server pinned to CPU {server_cpu}, load generator on CPU {cpus[1] if len(cpus) > 1 else server_cpu}; ")
+    load = os.getloadavg()
+    client_cpu = cpus[1] if len(cpus) > 1 else server_cpu
+    print(f"server pinned to CPU {server_cpu}, load generator on CPU {client_cpu}; "
+          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")  # fmt: skip
     print(f"window {args.seconds:.0f} s after {args.warmup:.0f} s warm-up; step = {args.step_base_ms} ms + "
           f"{args.running_seq_ms} ms x running sequences")  # fmt: skip
-    header = ("streams", "step ms", "demand tok/s", "tokens/s", "chunks/s", "late p50 ms", "late p99 ms", "late max ms")
+    header = (
+        "streams",
+        "step ms",
+        "demand tok/s",
+        "tokens/s",
+        "chunks/s",
+        "late p50 ms",
+        "late p99 ms",
+        "late max ms",
+        "server CPU",
+        "tok/CPU-s",
+    )
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:
         cells = (
@@ -197,6 +220,8 @@ def main() -> int:
             f"{r.lateness_p50_ms:.3f}",
             f"{r.lateness_p99_ms:.3f}",
             f"{r.lateness_max_ms:.3f}",
+            f"{r.server_cpu:.0%}",
+            f"{r.tokens_per_cpu_s:,.0f}",
         )
         print(" | ".join(f"{c:>12}" for c in cells))
     if args.json:

@@ -36,7 +36,12 @@ IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
 
 
 def human_int(value: str) -> int:
-    """vLLM's human-readable ints: 8k = 8000, 8K = 8192, 1m = 1000000, 1M = 1048576; plain ints too."""
+    """vLLM's human-readable ints: 8k = 8000, 8K = 8192, 1m = 1000000, 1M = 1048576; plain ints too.
+
+    `auto` and -1 (vLLM: the model's own limit) mean the simulated model's 32768.
+    """
+    if value.strip() in ("auto", "-1"):
+        return EngineConfig().max_model_len
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", value)
     if not match:
         raise argparse.ArgumentTypeError(f"not a number: {value!r}")
