@@ -14,10 +14,10 @@ import json
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -35,6 +35,22 @@ METRICS_TIMEOUT_S = 5.0
 SETTLE_TRIES = 10
 SETTLE_PAUSE_S = 0.02
 LIMITS_FILLER = " hello"  # one Qwen token per repetition; several characters for the char pre-check
+LIMITS_MAX_TOKENS = (
+    262_144  # beyond this the oversized prompt (6 bytes a token) is too heavy to send each cycle
+)
+
+T = TypeVar("T")
+
+
+async def gather_or_cancel(*coros: Coroutine[Any, Any, T]) -> list[T]:
+    """Run concurrently; on the first failure cancel (and await) the rest, so nothing outlives the cycle."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class MetricsReader(Protocol):
@@ -70,7 +86,7 @@ class PodMetrics:
     async def snapshot(self) -> MetricsSnapshot:
         if not self.urls:
             raise ProbeFailure(er.NO_READY_ENDPOINTS, "no ready engine pod to scrape")
-        snaps = await asyncio.gather(*(self._one(u) for u in self.urls))
+        snaps = await gather_or_cancel(*(self._one(u) for u in self.urls))
         out = combine(snaps)
         assert out is not None
         return out
@@ -358,7 +374,7 @@ async def run_probe(
                     out.metrics_error = f.message
             body = chat_body(spec, out.model)
             n = spec.max_in_flight
-            timings = await asyncio.gather(
+            timings = await gather_or_cancel(
                 *(stream_chat(client, base, body, api_key, f"probe-{uuid.uuid4().hex}") for _ in range(n))
             )
             out.timings = list(timings)
@@ -394,7 +410,7 @@ async def _limits_check(
 ) -> None:
     status: int | None = None
     message, error = "", None
-    if spec.check_limits and out.max_model_len is not None:
+    if spec.check_limits and out.max_model_len is not None and out.max_model_len <= LIMITS_MAX_TOKENS:
         try:
             async with asyncio.timeout(spec.timeout):
                 status, message = await limits_request(client, base, out.model, out.max_model_len, api_key)
@@ -403,6 +419,12 @@ async def _limits_check(
         except TimeoutError:
             error = f"no answer within {spec.timeout:g} s"
     out.limits_status = status
+    if spec.check_limits and out.max_model_len is not None and out.max_model_len > LIMITS_MAX_TOKENS:
+        out.checks["limits"] = ck.skipped(
+            "MaxModelLenTooLarge",
+            f"max_model_len {out.max_model_len} > {LIMITS_MAX_TOKENS}: prompt too heavy",
+        )
+        return
     out.checks["limits"] = ck.check_limits(spec.check_limits, out.max_model_len, status, message, error)
 
 

@@ -173,7 +173,7 @@ def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
         if b is None:
             continue
         dc, ds = h.count - b.count, h.sum - b.sum
-        if dc < 0 or ds < -1e-9:
+        if dc < 0:  # counts only grow; a sum may legally shrink (a negative observation)
             reset = True
             continue
         counts[k] = dc
