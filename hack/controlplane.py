@@ -244,6 +244,24 @@ class ControlPlane:
         """GET a plain-text endpoint (/readyz, /livez, /metrics)."""
         return self._call("GET", path, None, "").decode()
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Wait until the CRD named crd (plural.group) is Established. Polls: `kubectl wait` fails at once
+        on a CRD whose status has no conditions yet (right after apply)."""
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                conds = self.request("GET", path).get("status", {}).get("conditions") or []
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
+                conds = []
+            if any(c.get("type") == "Established" and c.get("status") == "True" for c in conds):
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRD {crd} not Established after {timeout:.0f}s: {conds}")
+            time.sleep(0.05)
+
     def log_tail(self, component: str, lines: int = 30) -> str:
         try:
             return "\n".join(

@@ -90,7 +90,11 @@ up() {
   for f in "${ROOT}"/crds/*.yaml; do [[ "$(basename "$f")" == kustomization.yaml ]] || crds+=(-f "$f"); done
   [[ ${#crds[@]} -gt 0 ]] || die "no CRD in crds/ (run \`make crd\`)"
   "${kubectl}" apply --server-side --force-conflicts "${crds[@]}" >&2
-  "${kubectl}" wait --for=condition=Established --timeout=60s "${crds[@]}" >&2
+  # `kubectl wait` fails at once while a new CRD has no status conditions yet: retry it briefly.
+  for _ in $(seq 1 50); do
+    "${kubectl}" wait --for=condition=Established --timeout=30s "${crds[@]}" >&2 2>/dev/null && break
+    sleep 0.2
+  done
 
   # The simulator serves what the sample asks for, so the operator's probes name a model it knows.
   local model served_name name

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "hack"))
@@ -102,7 +103,10 @@ def control_plane(bare_control_plane: controlplane.ControlPlane) -> controlplane
     if crds:
         args = [a for p in crds for a in ("-f", str(p))]
         cp.kubectl("apply", "--server-side", "--force-conflicts", *args)
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *args)
+        for path in crds:
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc and doc.get("kind") == "CustomResourceDefinition":
+                    cp.wait_established(doc["metadata"]["name"])
     return cp
 
 

@@ -202,7 +202,7 @@ def test_cel_rule_rejects_bad_object_with_server_message(
     cp = bare_control_plane
     cp.kubectl("apply", "-f", "-", input=CEL_CRD)
     try:
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/widgets.cel.servedmodel.io")
+        cp.wait_established("widgets.cel.servedmodel.io")
         cp.kubectl("-n", namespace, "create", "-f", "-", input=widget("good", 1, 2))
         bad = cp.kubectl("-n", namespace, "create", "-f", "-", input=widget("bad", 3, 2), check=False)
         assert bad.returncode != 0
