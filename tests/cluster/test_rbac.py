@@ -312,3 +312,60 @@ def test_people_get_servedmodels_through_the_built_in_roles(cluster: controlplan
     assert as_user("bob", "get", sm) == "yes"
     assert as_user("bob", "create", sm) == "no"
     assert as_user("bob", "patch", f"{sm}/status") == "no"
+
+
+def test_api_key_secret_is_read_only_where_granted(
+    cluster: controlplane.ControlPlane, tmp_path: Path
+) -> None:
+    """The probe needs the engine's API key from a Secret in the model's namespace: refused (and said so
+    in status) until the namespace's owner binds servedmodel-operator-secret-reader there; then it works.
+    The key never shows in status or the log."""
+    cp = cluster
+    namespace = "keyed"
+    api_key = "sk-" + os.urandom(12).hex()
+    cp.kubectl("create", "namespace", namespace)
+    cp.kubectl("create", "secret", "generic", "engine-key", "-n", namespace, f"--from-literal=key={api_key}")
+    sample = yaml.safe_load(SAMPLE.read_text())
+    name = "qwen-keyed"
+    spec = sample["spec"]
+    sample["metadata"]["name"] = name
+    sample["spec"] = {
+        **spec,
+        "engine": {**spec["engine"], "apiKeySecretRef": {"name": "engine-key", "key": "key"}},
+        "probe": {**spec.get("probe", {}), "interval": 5},
+    }
+    sim_args = [spec["model"], "--max-model-len", str(spec["engine"]["maxModelLen"]), "--api-key", api_key]
+    kubeconfig = sa_kubeconfig(cp, tmp_path / "sa.kubeconfig")
+    with SimulatorProcess([*sim_args, "--sim-step-base-ms", "2"], ready_timeout=60) as sim:
+        with operator_as_service_account(
+            kubeconfig, tmp_path / "operator.log", f"{namespace}/{name}={sim.base_url}"
+        ) as log:
+            cp.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(sample))
+
+            def probe_status() -> dict[str, Any]:
+                obj = get(cp, "servedmodel", name, "-n", namespace) or {}
+                probe: dict[str, Any] = (obj.get("status") or {}).get("probe") or {}
+                return probe
+
+            refused = wait_for(
+                "the probe to report the Secret refused",
+                lambda: probe_status() if probe_status().get("reason") == "SecretUnavailable" else None,
+                log,
+            )
+            assert "403" in refused["message"]
+            cp.kubectl(
+                "create",
+                "rolebinding",
+                "servedmodel-operator-secrets",
+                "-n",
+                namespace,
+                "--clusterrole=servedmodel-operator-secret-reader",
+                f"--serviceaccount={OPERATOR_NS}:{SA}",
+            )
+            wait_for(
+                "a successful probe with the key", lambda: probe_status().get("result") == "Success", log
+            )
+            text = log()
+        obj = get(cp, "servedmodel", name, "-n", namespace)
+    assert api_key not in json.dumps(obj)
+    assert api_key not in text
