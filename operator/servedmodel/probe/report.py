@@ -134,6 +134,27 @@ def _server(out: ProbeOutcome) -> ServerLatency | None:
     )
 
 
+def _phases(out: ProbeOutcome, server: ServerLatency | None) -> str:
+    """'door 1.2, queue 0.4, prefill 6.5, decode 85.1 ms (slowest: decode)': where the time went."""
+    t = out.timing
+    if t is None or t.headers_ns is None:
+        return ""
+    door = (t.headers_ns - t.sent_ns) / 1e6
+    steps: list[tuple[str, float | None]] = [("door", door)]
+    if server is not None and server.queue_ms is not None and server.prefill_ms is not None:
+        steps += [("queue", server.queue_ms), ("prefill", server.prefill_ms), ("decode", server.decode_ms)]
+    elif t.first_token_ns is not None and t.last_token_ns is not None:  # no server figures: client view
+        steps += [
+            ("queue+prefill", (t.first_token_ns - t.headers_ns) / 1e6),
+            ("decode", (t.last_token_ns - t.first_token_ns) / 1e6),
+        ]
+    known = [(n, v) for n, v in steps if v is not None]
+    if not known:
+        return ""
+    slowest = max(known, key=lambda kv: kv[1])[0]
+    return ", ".join(f"{n} {v:.1f}" for n, v in known) + f" ms (slowest: {slowest})"
+
+
 def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeChecks) -> str:
     if out.failure is not None:
         return out.failure.message[:500]
@@ -146,6 +167,9 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
             f"TTFT {f.ttft_ms or 0:.1f} ms, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
             f"{f.completion_tokens} tokens, finish_reason {t.finish_reason}"
         )
+    phases = _phases(out, server)
+    if phases:
+        parts.append(phases)
     if server is not None and server.isolated is False:
         parts.append(
             f"server figures are window averages over {server.requests} requests (shared with other traffic)"
