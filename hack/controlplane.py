@@ -462,6 +462,28 @@ def start(
     directory: where data, certificates, logs, kubeconfig and pids go (default: a new temporary
     directory, removed by stop()). detach: the components outlive this process (for `up`).
     volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs."""
+    attempts = 3
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_once(directory, bin_dir=bin_dir, timeout=timeout, detach=detach, volumes=volumes)
+        except _PortTaken as e:
+            # A free port found by binding 0 can be taken by another run before the component binds it.
+            if attempt == attempts:
+                raise ControlPlaneError(str(e)) from e
+            if directory is None:
+                shutil.rmtree(e.directory, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(ControlPlaneError):
+    def __init__(self, message: str, directory: Path) -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
+def _start_once(
+    directory: Path | None, *, bin_dir: Path | None, timeout: float, detach: bool, volumes: int
+) -> ControlPlane:
     t0 = time.monotonic()
     bin_dir = bin_dir or default_bin_dir()
     missing = missing_binaries(bin_dir)
@@ -586,6 +608,11 @@ def start(
 
         _wait(f"node {GPU_NODE} Ready (kwok)", launcher, deadline, node_ready)
         _wait("ServiceAccount default/default (controller-manager)", launcher, deadline, default_sa)
+    except ControlPlaneError as e:
+        cp.stop(keep_logs=True)
+        if "address already in use" in str(e):
+            raise _PortTaken(str(e), directory) from e
+        raise
     except BaseException:
         cp.stop(keep_logs=True)
         raise
