@@ -56,7 +56,8 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
     with controlplane.running() as cp:
         args = [a for p in crds for a in ("-f", str(p))]
         cp.kubectl("apply", "--server-side", *args, timeout=120)
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *args)
+        for path in crds:
+            cp.wait_established(yaml.safe_load(path.read_text())["metadata"]["name"])
         for ns in PREEXISTING_NAMESPACES:
             cp.kubectl("create", "namespace", ns)
         yield cp

@@ -88,7 +88,12 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
             "apply", "--server-side", "-f", str(servicemonitors), "-f", "-", input=json.dumps(ROUTE_CRD)
         )
         cp.kubectl("apply", "--server-side", "-k", str(ROOT / "manifests" / "base"), timeout=120)
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        for crd in (
+            "servicemonitors.monitoring.coreos.com",
+            "routes.route.openshift.io",
+            "servedmodels.inference.servedmodel.io",
+        ):
+            cp.wait_established(crd)
         yield cp
 
 
