@@ -116,11 +116,16 @@ async def prune(
     keep: set[tuple[str, str]],
     optional: dict[str, bool],
 ) -> list[str]:
-    """Delete this ServedModel's children (owner uid) whose (kind, name) is not in `keep`."""
+    """Delete this ServedModel's children (owner uid) whose (kind, name) is not in `keep`.
+
+    Child names are fixed per ServedModel (api.names), so a kind that is still rendered has nothing
+    to prune: only the kinds missing from `keep` are listed (one request each).
+    """
     selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={names.MANAGED_BY}"
+    kept_kinds = {kind for kind, _ in keep}
     pruned = []
     for api_version, plural, kind in CHILD_KINDS:
-        if not optional.get(api_version, True):
+        if kind in kept_kinds or not optional.get(api_version, True):
             continue
         for obj in await client.list(api_version, plural, namespace, label_selector=selector):
             child = (obj.get("metadata") or {}).get("name", "")
@@ -230,7 +235,11 @@ async def reconcile(
         )
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
-        observed = await observe(client, name, namespace, with_route=with_route)
+        # After an apply that changed the template, Progressing is the truth: no need to wait for the
+        # Deployment controller. A refresh waits briefly for it (see `observe`).
+        observed = await observe(
+            client, name, namespace, with_route=with_route, settle_s=0.0 if apply else SETTLE_S
+        )
         desired = st.compute_status(
             **common,
             observed=observed,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -30,6 +30,12 @@ RECONCILE_DURATION = Histogram(
 STATUS_WRITES_TOTAL = Counter(
     "servedmodel_status_writes",
     "Status writes of the reconciler (one per observed change; none on a no-op resync).",
+    registry=REGISTRY,
+)
+KUBE_REQUESTS = Gauge(
+    "servedmodel_kube_api_requests",
+    "HTTP requests the operator's Kubernetes client has sent to the API server (retries included); "
+    "kopf's own watches and patches are not counted.",
     registry=REGISTRY,
 )
 for _result in ("applied", "refreshed", "invalid_spec", "error"):

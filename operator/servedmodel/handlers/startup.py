@@ -51,7 +51,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
 
-    memo.client = KubeClient.from_environment()
+    client = memo.client = KubeClient.from_environment()
+    metrics.KUBE_REQUESTS.set_function(lambda: client.request_count)
     memo.locks = {}  # (namespace, name) -> asyncio.Lock: one reconcile at a time per ServedModel
     memo.needs_apply = set()  # ServedModels whose last apply failed; the resync applies again
     memo.refresh_pending = set()  # ServedModels with a coalesced status refresh pending

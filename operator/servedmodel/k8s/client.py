@@ -141,6 +141,7 @@ class KubeClient:
             self._resources[(r.api_version, r.kind)] = r
             self._resources[(r.api_version, r.plural)] = r
         self._discovery: dict[str, tuple[float, Obj | None]] = {}
+        self.request_count = 0  # HTTP requests sent, retries included (the operator exports it)
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
@@ -178,6 +179,7 @@ class KubeClient:
         for attempt in range(self.attempts):
             if attempt:
                 await asyncio.sleep(self._delay(attempt, retry_after))
+            self.request_count += 1
             try:
                 response = await self._http.request(
                     method, path, params=dict(params or {}), content=content, headers=headers
