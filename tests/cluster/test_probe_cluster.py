@@ -229,10 +229,14 @@ def closed_port() -> int:
 
 
 def test_unreachable_endpoint_is_data_not_a_crash(
-    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
 ) -> None:
     cp = control_plane
-    manifest = served_model("gone", endpoint=f"http://127.0.0.1:{closed_port()}", probe={"interval": 5})
+    url = f"http://127.0.0.1:{closed_port()}"
+    operator = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/gone={url}")
+    manifest = served_model("gone", endpoint=url, probe={"interval": 5})
     del manifest["spec"]["engine"], manifest["spec"]["resources"]
     apply(cp, namespace, manifest)
 
@@ -259,3 +263,39 @@ def test_unreachable_endpoint_is_data_not_a_crash(
         )
         >= 2
     )
+
+
+def test_api_key_from_secret_is_sent_never_written(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+) -> None:
+    cp = control_plane
+    key = "sk-cluster-probe-7f3a9c2e41"
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--api-key", key]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        operator = start_operator(
+            namespaces=[namespace], endpoint_override=f"{namespace}/keyed={sim.base_url}"
+        )
+        cp.kubectl("create", "secret", "generic", "engine-key", "-n", namespace, f"--from-literal=key={key}")
+        manifest = served_model(
+            "keyed",
+            endpoint=sim.base_url,
+            servedModelName="qwen",
+            engine={"apiKeySecretRef": {"name": "engine-key", "key": "key"}},
+            probe={"interval": 5},
+        )
+        del manifest["spec"]["resources"]
+        apply(cp, namespace, manifest)
+
+        def serving() -> dict[str, Any] | None:
+            obj = sm(cp, namespace, "keyed")
+            probe = (obj.get("status") or {}).get("probe") or {}
+            return obj if probe.get("result") == "Success" else None
+
+        obj = wait_for("a successful probe with the API key", serving)
+    assert condition(obj, "Serving")["status"] == "True"
+    assert key not in json.dumps(obj)
+    events = cp.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
+    assert key not in events
+    assert key not in operator.log()
