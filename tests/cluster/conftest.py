@@ -156,7 +156,10 @@ def start_operator(
 
 @pytest.fixture
 def operator(
-    start_operator: Callable[..., OperatorProcess], namespace: str, control_plane: controlplane.ControlPlane
+    start_operator: Callable[..., OperatorProcess],
+    namespace: str,
+    control_plane: controlplane.ControlPlane,
+    request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
     """`servedmodel run --namespace <the test's namespace>`, healthy.
 
@@ -166,7 +169,7 @@ def operator(
     """
     op = start_operator(namespaces=[namespace])
     yield op
-    if op.alive():
+    if any(o.alive() for o in request.node.stash.get(OPERATORS, [])):  # this one, or a test's restart
         control_plane.kubectl(
             "delete", "servedmodels", "--all", "-n", namespace, "--wait=true", "--timeout=30s", check=False
         )

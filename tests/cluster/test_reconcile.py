@@ -404,3 +404,23 @@ def test_no_gpu_to_spare_is_degraded_unschedulable(
         ],
     )
     assert "Unschedulable" in warnings[0]["message"]
+
+
+def test_operator_restart_is_a_noop(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    operator: OperatorProcess,
+    start_operator: Callable[..., OperatorProcess],
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("qwen", probe={"enabled": False}))
+    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    before = sm(cp, namespace, "qwen")
+    operator.stop()
+
+    second = start_operator(namespaces=[namespace])
+    # kopf resumes the ServedModel: the full pass re-applies the children (no-op), finds the status current.
+    wait_for("the resume pass", lambda: metric(second, "servedmodel_reconcile_total", result="applied") >= 1)
+    after = sm(cp, namespace, "qwen")
+    assert metric(second, "servedmodel_status_writes_total") == 0
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
