@@ -424,3 +424,25 @@ def test_operator_restart_is_a_noop(
     after = sm(cp, namespace, "qwen")
     assert metric(second, "servedmodel_status_writes_total") == 0
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+
+
+def test_refused_apply_is_degraded_apply_failed(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    apply(cp, namespace, served_model("cached", cache={"size": "20Gi"}))
+    wait_for("the cache PVC", lambda: get(cp, namespace, "pvc", names.cache_claim_name("cached")))
+    # The schema allows any size, the API server refuses to shrink a claim: a 422 on apply.
+    cp.kubectl(
+        "patch", "sm", "cached", "-n", namespace, "--type=merge", "-p", '{"spec":{"cache":{"size":"10Gi"}}}'
+    )
+
+    def apply_failed() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "cached")
+        return obj if condition(obj, "Degraded").get("reason") == "ApplyFailed" else None
+
+    obj = wait_for("Degraded ApplyFailed", apply_failed)
+    message = condition(obj, "Degraded")["message"]
+    assert message.startswith(f"PersistentVolumeClaim/{names.cache_claim_name('cached')}: ")
+    assert obj["status"]["phase"] == "Degraded"
+    assert operator.alive()
