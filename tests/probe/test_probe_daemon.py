@@ -48,3 +48,16 @@ def test_patch_holds_only_the_probes_fields() -> None:
     # a previous status.probe from an older schema is ignored, not fatal
     _, again = status_patch(out, spec.probe, {"probe": {"unknownField": 1}}, 4)
     assert again["probe"]["consecutiveFailures"] == 1
+
+
+def test_previous_status_falls_back_to_the_daemons_last_write() -> None:
+    """The watch may not have delivered the daemon's last write yet: the window still grows."""
+    t1 = datetime(2026, 11, 29, 19, 0, tzinfo=UTC)
+    t2 = datetime(2026, 11, 29, 19, 1, tzinfo=UTC)
+    spec = ServedModelSpec.model_validate(MANAGED)
+    fail1 = ProbeOutcome(endpoint="x", started=t1, ended=t1, failure=ProbeFailure(ENGINE_UNHEALTHY, "503"))
+    first, _ = status_patch(fail1, spec.probe, {}, 1)
+    fail2 = ProbeOutcome(endpoint="x", started=t2, ended=t2, failure=ProbeFailure(ENGINE_UNHEALTHY, "503"))
+    stale_body: dict[str, Any] = {}
+    second, _ = status_patch(fail2, spec.probe, stale_body, 1, first)
+    assert second.consecutive_failures == 2

@@ -196,15 +196,26 @@ async def probe_once(
 
 
 def status_patch(
-    out: ProbeOutcome, probe: ProbeSpec, body_status: dict[str, Any], generation: int | None
+    out: ProbeOutcome,
+    probe: ProbeSpec,
+    body_status: dict[str, Any],
+    generation: int | None,
+    last_written: ProbeStatus | None = None,
 ) -> tuple[ProbeStatus, dict[str, Any]]:
-    """The probe's whole share of status: status.probe and its three conditions (SSA removes what we omit)."""
+    """The probe's whole share of status: status.probe and its three conditions (SSA removes what we omit).
+
+    The previous status.probe (rolling window, counters) comes from the object, or from what this daemon
+    wrote last when the watch has not delivered that write yet."""
     previous = None
     if isinstance(body_status.get("probe"), dict):
         try:
             previous = ProbeStatus.model_validate(body_status["probe"])
         except ValidationError:
             previous = None  # an older schema: start the window afresh
+    if last_written is not None and (
+        previous is None or (previous.last_probe_time or "") < (last_written.last_probe_time or "")
+    ):
+        previous = last_written
     new = build_status(out, probe, previous)
     conds = probe_conditions(
         new, probe, body_status.get("conditions") or [], generation, out.ended or datetime.now(UTC)
@@ -262,6 +273,7 @@ async def probe_daemon(
         raise kopf.PermanentError("no Kubernetes client in memo (startup handler did not run)")
     rng = random.Random()
     last_written: dict[str, Any] | None = None
+    last_status: ProbeStatus | None = None
     try:
         async with httpx.AsyncClient(trust_env=False) as http:
             first = True
@@ -282,7 +294,7 @@ async def probe_daemon(
                 out = await probe_once(kube, http, config, namespace, name, spec)
                 _record(namespace, name, out)
                 generation = (body.get("metadata") or {}).get("generation")
-                new, patch = status_patch(out, probe, status, generation)
+                new, patch = status_patch(out, probe, status, generation, last_status)
                 logger.info(
                     "probe %s: %s",
                     new.result,
@@ -298,7 +310,7 @@ async def probe_daemon(
                             patch,
                             config.probe_field_manager,
                         )
-                        last_written = patch
+                        last_written, last_status = patch, new
                         PROBE_STATUS_WRITES.labels(namespace, name).inc()
                     except NotFoundError:
                         return  # deleted between the probe and the write
