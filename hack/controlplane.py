@@ -149,6 +149,14 @@ def leftover_processes() -> list[tuple[str, int]]:
     return [(name, pid) for name, pid, exe in started if process_alive(pid, exe)]
 
 
+def kill_leftovers(timeout: float = 5.0) -> list[tuple[str, int]]:
+    """Stop whatever leftover_processes() lists; returns what it stopped."""
+    with _LOCK:
+        left = [(n, p, e) for n, p, e in _STARTED if process_alive(p, e)]
+    kill_processes(left, timeout)
+    return [(n, p) for n, p, _ in left]
+
+
 def kill_processes(procs: Sequence[tuple[str, int, str]], timeout: float = 10.0) -> None:
     """SIGTERM each live (name, pid, exe) in order, wait up to timeout, then SIGKILL what is left."""
     for _, pid, exe in procs:

@@ -59,12 +59,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[N
     # After the wrapped hooks: pytest's runner tears down session fixtures there, so by now every
     # component must be gone, in success, failure and interruption alike.
     yield
-    left = controlplane.leftover_processes()
+    left = controlplane.kill_leftovers()
     if left:
         names = ", ".join(f"{n} (pid {p})" for n, p in left)
-        _leftovers_report.append(f"control-plane components still running after the suite: {names}")
-        controlplane.kill_processes(
-            [(n, p, str(controlplane.default_bin_dir() / n)) for n, p in left], timeout=5.0
+        _leftovers_report.append(
+            f"control-plane components still running after the suite (now killed): {names}"
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
