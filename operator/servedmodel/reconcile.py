@@ -104,6 +104,14 @@ def _unobserved(deployment: Mapping[str, Any]) -> bool:
     return seen < int((deployment.get("metadata") or {}).get("generation") or 0)
 
 
+def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
+    """A condition of the current status; the probe's (Serving) are read, never written, here."""
+    for c in (status or {}).get("conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == type_:
+            return c
+    return None
+
+
 def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
@@ -227,11 +235,13 @@ async def reconcile(
             keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
             pruned = await prune(client, name, namespace, uid, keep, optional)
 
+    serving = _condition(previous, "Serving") if cr.spec.probe.enabled else None
     if cr.spec.external:
         desired = st.compute_status(
             **common,
             external_endpoint=cr.spec.endpoint,
             served_model_name=cr.spec.resolved_served_model_name,
+            serving=serving,
         )
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
@@ -245,6 +255,7 @@ async def reconcile(
             observed=observed,
             served_model_name=cr.spec.resolved_served_model_name,
             apply_error=apply_error,
+            serving=serving,
         )
     written = await write_status(client, config, body, desired)
     return Outcome(

@@ -17,7 +17,8 @@ Reasons come from the children: Pods (Unschedulable, ErrImagePull, ImagePullBack
 OOMKilled, CreateContainerConfigError, …, and while starting ContainerCreating / ContainersNotReady)
 and the Deployment (ProgressDeadlineExceeded, MinimumReplicasUnavailable, FailedCreate,
 NewReplicaSetAvailable, ReplicaSetUpdated). Operator's own: InvalidSpec, ApplyFailed, ExternalEndpoint,
-ScaledToZero, DeploymentMissing.
+ScaledToZero, DeploymentMissing. From the probe: while its Serving condition is False, a Ready
+ServedModel is Degraded with Serving's reason.
 """
 
 from __future__ import annotations
@@ -325,6 +326,7 @@ def compute_status(
     served_model_name: str | None = None,
     invalid_spec: str | None = None,
     apply_error: tuple[str, str] | None = None,
+    serving: Obj | None = None,
 ) -> dict[str, Any]:
     """The reconciler's status fragment (camelCase, ready for apply_status).
 
@@ -332,6 +334,9 @@ def compute_status(
     `external_endpoint` (spec.endpoint, no children), or `observed` children. `apply_error` (reason,
     message) marks a failed server-side apply of a child on top of what is observed. `previous` is the
     current status: a condition whose status did not change keeps its lastTransitionTime.
+
+    `serving` is the probe's Serving condition (pass it only while probing is on): replicas that are
+    ready but fail a real chat request make the phase Degraded, with the probe's reason on Degraded.
     """
     n = _replica_counts(observed.deployment if observed else None)
     status: dict[str, Any] = {"observedGeneration": generation}
@@ -356,6 +361,11 @@ def compute_status(
             status["routeUrl"] = url
     if served_model_name is not None:
         status["servedModelName"] = served_model_name
+    if phase == "Ready" and serving is not None and serving.get("status") == "False":
+        # Ready by Kubernetes' account, yet a real chat request fails: what users care about.
+        reason = str(serving.get("reason") or "ProbeFailed")
+        conds.degraded = ("True", reason, f"Serving=False: {serving.get('message') or reason}")
+        phase = "Degraded"
     if apply_error is not None:
         conds.degraded = ("True", apply_error[0], apply_error[1])
         if phase != "Failed":

@@ -70,10 +70,13 @@ def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any
 
 
 def served_model(name: str, **spec: Any) -> dict[str, Any]:
+    """A vLLM ServedModel for the fake GPU node. Probing is off unless a test turns it on: kwok's pods
+    serve nothing, and a failing probe (Serving=False) would rightly make a Ready model Degraded."""
     body: dict[str, Any] = {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
         "engine": {"maxModelLen": 4096},
         "resources": {"gpus": 1},
+        "probe": {"enabled": False},
     }
     body.update(spec)
     return {
@@ -275,7 +278,7 @@ def test_external_mode_has_no_children(
         "apiVersion": "inference.servedmodel.io/v1alpha1",
         "kind": "ServedModel",
         "metadata": {"name": "ext"},
-        "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", "endpoint": endpoint},
+        "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", "endpoint": endpoint, "probe": {"enabled": False}},
     }
     apply(cp, namespace, manifest)
     ready = wait_for("phase Ready", phase_is(cp, namespace, "ext", "Ready"))
@@ -294,7 +297,11 @@ def test_switch_to_external_prunes_children(
     apply(cp, namespace, served_model("qwen"))
     wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
     # Replace the whole spec (a merge would keep engine/resources, which external mode forbids).
-    external = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "http://elsewhere.example:8000"}
+    external = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "endpoint": "http://elsewhere.example:8000",
+        "probe": {"enabled": False},
+    }
     patch = [{"op": "replace", "path": "/spec", "value": external}]
     cp.kubectl("patch", "sm", "qwen", "-n", namespace, "--type=json", "-p", json.dumps(patch))
     wait_for("Deployment pruned", lambda: get(cp, namespace, "deployment", "qwen") is None)
@@ -333,8 +340,8 @@ def test_noop_resync_writes_no_status(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    # Probing off: the probe writes status.probe every cycle (its own field manager), this is about ours.
-    apply(cp, namespace, served_model("qwen", probe={"enabled": False}))
+    # (Probing is off: the probe writes status.probe every cycle with its own field manager.)
+    apply(cp, namespace, served_model("qwen"))
     wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
     before = sm(cp, namespace, "qwen")
     writes = metric(operator, "servedmodel_status_writes_total")
@@ -356,8 +363,8 @@ def test_generation_bump_without_rollout_does_not_flap(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    # Probing off: the probe writes status.probe every cycle (its own field manager), this is about ours.
-    apply(cp, namespace, served_model("qwen", probe={"enabled": False}))
+    # (Probing is off: the probe writes status.probe every cycle with its own field manager.)
+    apply(cp, namespace, served_model("qwen"))
     wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
     before = sm(cp, namespace, "qwen")
     refreshed = metric(operator, "servedmodel_reconcile_total", result="refreshed")
@@ -413,7 +420,7 @@ def test_operator_restart_is_a_noop(
     start_operator: Callable[..., OperatorProcess],
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen", probe={"enabled": False}))
+    apply(cp, namespace, served_model("qwen"))
     wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
     before = sm(cp, namespace, "qwen")
     operator.stop()
@@ -446,3 +453,27 @@ def test_refused_apply_is_degraded_apply_failed(
     assert message.startswith(f"PersistentVolumeClaim/{names.cache_claim_name('cached')}: ")
     assert obj["status"]["phase"] == "Degraded"
     assert operator.alive()
+
+
+def test_failing_probe_degrades_a_ready_model(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    # External mode, probe on: the operator fixture points every probe at a closed loopback port.
+    manifest = {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": "ext"},
+        "spec": {
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "endpoint": "http://vllm.example:8000",
+            "probe": {"interval": 5},
+        },
+    }
+    apply(cp, namespace, manifest)
+    degraded = wait_for("phase Degraded", phase_is(cp, namespace, "ext", "Degraded"))
+    serving = condition(degraded, "Serving")
+    assert serving["status"] == "False"
+    cond = condition(degraded, "Degraded")
+    assert (cond["status"], cond["reason"]) == ("True", serving["reason"])
+    assert condition(degraded, "Ready")["status"] == "True"  # Kubernetes-ready; the chat request fails

@@ -619,3 +619,48 @@ def test_generation_change_is_a_change() -> None:
     )
     assert status_changed(first, second)
     assert transitions(first, second) == []
+
+
+SERVING_FALSE = {
+    "type": "Serving",
+    "status": "False",
+    "reason": "ConnectionRefused",
+    "message": "connect: refused",
+}
+SERVING_TRUE = {"type": "Serving", "status": "True", "reason": "ChatCompletionSucceeded", "message": ""}
+
+
+@pytest.mark.parametrize(
+    ("observed", "external", "serving", "phase", "degraded"),
+    [
+        (READY_OBS, None, SERVING_FALSE, "Degraded", ("True", "ConnectionRefused")),
+        (READY_OBS, None, SERVING_TRUE, "Ready", ("False", "AsExpected")),
+        (READY_OBS, None, None, "Ready", ("False", "AsExpected")),
+        (None, "http://llm.example:8000", SERVING_FALSE, "Degraded", ("True", "ConnectionRefused")),
+        # Not ready anyway: the Deployment's story stands, the probe adds nothing.
+        (STARTING_OBS, None, SERVING_FALSE, "Progressing", ("False", "AsExpected")),
+    ],
+    ids=["ready-but-chat-fails", "ready-and-serving", "probe-off", "external-chat-fails", "starting"],
+)
+def test_probe_serving_degrades_a_ready_model(
+    observed: Observed | None,
+    external: str | None,
+    serving: dict[str, Any] | None,
+    phase: str,
+    degraded: tuple[str, str],
+) -> None:
+    status = compute_status(
+        name="qwen",
+        namespace="ml",
+        generation=1,
+        previous=None,
+        now=T0,
+        observed=observed,
+        external_endpoint=external,
+        serving=serving,
+    )
+    assert status["phase"] == phase
+    cond = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (cond["status"], cond["reason"]) == degraded
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == ("False" if observed is STARTING_OBS else "True")
