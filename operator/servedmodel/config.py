@@ -41,5 +41,9 @@ class OperatorConfig(BaseSettings):
             "tests, whose fake (kwok) pods have addresses that exist nowhere."
         ),
     )
-    metrics_port: int = Field(default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off.")
-    health_port: int = Field(default=8091, ge=0, le=65535, description="Port of kopf's liveness endpoint; 0 = off.")
+    metrics_port: int = Field(
+        default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off."
+    )
+    health_port: int = Field(
+        default=8091, ge=0, le=65535, description="Port of kopf's liveness endpoint; 0 = off."
+    )
