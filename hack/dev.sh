@@ -4,7 +4,7 @@
 #         the operator (probes sent to the simulator) + a sample ServedModel; then shows
 #         `kubectl get servedmodels -w` for DEV_WATCH_S seconds (default 60; Ctrl-C ends the watch only).
 #   down: stops everything `up` started, by the pids recorded in .dev/.
-set -euo pipefail
+set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE="${ROOT}/.dev"
@@ -72,6 +72,8 @@ up() {
   "${SM}" sim --help >/dev/null 2>&1 || die "\`servedmodel sim\` is not available (simulator not installed?)"
   "${SM}" run --help >/dev/null 2>&1 || die "\`servedmodel run\` is not available (operator not installed?)"
   mkdir -p "${STATE}" "${LOGS}"
+  # A failed step stops what was already started rather than leaving half a dev session running.
+  trap 'log "failed at line ${LINENO}; stopping what was started"; trap - ERR; down' ERR
 
   # Anything from a previous `make dev` is stopped first, so `make dev` can be rerun at will.
   if [[ -f "${PIDS}" || -f "${CP_DIR}/pids" ]]; then
@@ -150,8 +152,10 @@ export PATH=${bin_dir}:\$PATH
 EOF
   local watch_s="${DEV_WATCH_S:-60}"
   log "watching \`kubectl get servedmodels -A -w\` for ${watch_s}s (Ctrl-C ends the watch; everything keeps running)"
+  trap - ERR
   trap 'true' INT
-  timeout "${watch_s}" "${kubectl}" get servedmodels -A -o wide -w || true
+  # --foreground: kubectl stays in the terminal's process group, so Ctrl-C reaches it.
+  timeout --foreground "${watch_s}" "${kubectl}" get servedmodels -A -o wide -w || true
   trap - INT
   cat >&2 <<EOF
 
