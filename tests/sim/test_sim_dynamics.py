@@ -226,3 +226,30 @@ def test_runtime_config_changes_step_time(sim: SimulatorProcess) -> None:
         assert bad.status_code == 400
     finally:
         httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": before["step_base_ms"]}, timeout=5)
+
+
+def test_stream_headers_go_out_before_queue_and_prefill(sim: SimulatorProcess) -> None:
+    """As vLLM: 200 and headers once the request is admitted; the first token only after its steps."""
+    before = httpx.get(f"{sim.base_url}/admin/config", timeout=5).json()
+    httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": 300}, timeout=5)
+    try:
+        body = {
+            "model": "qwen",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "stream": True,
+        }
+        with httpx.Client(timeout=30) as h:
+            sent = time.monotonic()
+            with h.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body) as resp:
+                headers_at = time.monotonic() - sent
+                assert resp.status_code == 200
+                first_at = None
+                for line in resp.iter_lines():
+                    if first_at is None and '"delta":{"content":' in line:
+                        first_at = time.monotonic() - sent
+        assert first_at is not None
+        # The prefill step alone lasts 300 ms; the headers cannot have waited for it.
+        assert first_at - headers_at > 0.2
+    finally:
+        httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": before["step_base_ms"]}, timeout=5)
