@@ -17,7 +17,7 @@ from servedmodel.sim.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
 )
-from servedmodel.sim.process import SimulatorProcess
+from servedmodel.sim.process import InProcessSimulator, SimulatorProcess
 
 COUNT = [{"role": "user", "content": "Count: one two three four five"}]
 
@@ -489,3 +489,13 @@ def test_hf_tokenizer_dir_and_template_file(tmp_path: Path) -> None:
         assert usage.prompt_tokens == counted["count"]
         assert "".join(pieces).startswith("the cat")
         assert all("\ufffd" not in p for p in pieces)
+
+
+async def test_in_process_simulator() -> None:
+    async with InProcessSimulator(["--served-model-name", "qwen", "--max-model-len", "1024"]) as s:
+        c = openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key="unused", timeout=30, max_retries=0)
+        r = await c.chat.completions.create(model="qwen", messages=COUNT, stop=["four"])  # type: ignore[arg-type]
+        await c.close()
+        assert r.choices[0].message.content == "Count: one two three "
+        assert s.simulator.engine.snapshot()["running"] == 0
+        assert s.simulator.engine.finished_log[-1]["request_id"] == r.id
