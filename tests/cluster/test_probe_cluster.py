@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
 from servedmodel.sim.process import SimulatorProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
+from probe_support import PrometheusServer  # tests/probe's helper (tests are not a package)
 
 OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
 
@@ -299,3 +305,52 @@ def test_api_key_from_secret_is_sent_never_written(
     events = cp.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
     assert key not in events
     assert key not in operator.log()
+
+
+@pytest.mark.prometheus
+def test_prometheus_source_with_bearer_token(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+) -> None:
+    """spec.probe.metricsSource prometheus: the daemon reads the token Secret and queries PromQL filtered
+    by model_name and namespace (a real Prometheus on loopback scraping the simulator every second)."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    cp = control_plane
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        prom = PrometheusServer([f"127.0.0.1:{sim.port}"], {"namespace": namespace})
+        try:
+            prom.wait_ready()
+            start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/prom={sim.base_url}")
+            cp.kubectl("create", "secret", "generic", "thanos", "-n", namespace, "--from-literal=token=t0ken")
+            source = {
+                "type": "prometheus",
+                "prometheus": {
+                    "url": prom.base_url,
+                    "bearerTokenSecretRef": {"name": "thanos", "key": "token"},
+                },
+            }
+            manifest = served_model(
+                "prom",
+                endpoint=sim.base_url,
+                servedModelName="qwen",
+                probe={"interval": 5, "metricsSource": source},
+            )
+            del manifest["spec"]["resources"], manifest["spec"]["engine"]
+            apply(cp, namespace, manifest)
+
+            def isolated_server_figures() -> dict[str, Any] | None:
+                probe = (sm(cp, namespace, "prom").get("status") or {}).get("probe") or {}
+                server = probe.get("server") or {}
+                return probe if server.get("isolated") is True and server.get("decodeMs") else None
+
+            probe = wait_for("server figures from Prometheus", isolated_server_figures)
+        finally:
+            prom.stop()
+    assert probe["result"] == "Success"
+    assert probe["checks"]["usage"]["reason"] == "CountersMatch"
+    assert probe["counters"]["generationTokensTotal"] > 0
+    assert probe["scheduler"]["running"] == 0
+    assert "t0ken" not in json.dumps(probe)
