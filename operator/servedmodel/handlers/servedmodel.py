@@ -1,10 +1,10 @@
 """kopf handlers of ServedModels: thin wrappers over `servedmodel.reconcile`.
 
 - create / update (spec, labels) / resume: render and server-side apply the children, then status.
-- the engine Deployment changes (its status moves as pods start, fail, become ready): refresh status;
-  deleted: apply again.
-- a timer every RESYNC_INTERVAL_S: refresh status from the Deployment and its Pods (pod-level reasons
-  such as ImagePullBackOff or Unschedulable surface here); nothing is written when nothing changed.
+- the engine Deployment or one of its Pods changes (starting, failing, ready): refresh status; the
+  Deployment deleted: apply again.
+- a timer every RESYNC_INTERVAL_S: refresh status (the safety net, and how the probe's Serving
+  condition reaches the phase); nothing is written when nothing changed.
 
 No handler lets an exception escape to kopf unbounded: API failures retry with backoff up to
 APPLY_RETRIES times, after which the resync takes over; a spec that cannot be served is a
@@ -31,6 +31,8 @@ RESYNC_INTERVAL_S: Final = 30.0
 APPLY_RETRIES: Final = 8
 # A rollout sends bursts of Deployment events; one status refresh per burst is enough.
 COALESCE_S: Final = 0.3
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
 
 
 def _key(namespace: str, name: str) -> tuple[str, str]:
@@ -137,24 +139,39 @@ def _owner_name(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": names.MANAGED_BY})
-async def engine_deployment_event(
-    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    """The engine Deployment moved: refresh the owner's status (apply again if it was deleted)."""
-    owner = _owner_name(body)
-    namespace = body.get("metadata", {}).get("namespace")
-    if owner is None or not namespace:
-        return
+async def _refresh_owner(memo: Any, logger: kopf.Logger, namespace: str, owner: str, *, apply: bool) -> None:
+    """Refresh (or re-apply) one ServedModel after a child changed; bursts coalesce into one pass."""
     key = _key(namespace, owner)
-    deleted = type == "DELETED"
-    if not deleted:
+    if not apply:
         if key in memo.refresh_pending:
             return
         memo.refresh_pending.add(key)
         await asyncio.sleep(COALESCE_S)
         memo.refresh_pending.discard(key)
     try:
-        await run_reconcile(memo, logger, namespace, owner, apply=deleted)
+        await run_reconcile(memo, logger, namespace, owner, apply=apply)
     except Exception as e:  # the resync timer catches up
         logger.warning("status refresh of %s/%s failed: %s", namespace, owner, e)
+
+
+# Both watches are filtered server-side to the operator's children (settings.watching.label_selectors
+# in startup), so the operator never lists every Pod of the cluster.
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: names.MANAGED_BY})
+async def engine_deployment_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """The engine Deployment moved: refresh the owner's status (apply again if it was deleted)."""
+    owner = _owner_name(body)
+    namespace = body.get("metadata", {}).get("namespace")
+    if owner is not None and namespace:
+        await _refresh_owner(memo, logger, namespace, owner, apply=type == "DELETED")
+
+
+@kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: names.MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT})
+async def engine_pod_event(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """An engine pod moved (scheduled, pulling, crashing, ready): refresh the owner's status, so pod
+    reasons such as ImagePullBackOff or CrashLoopBackOff show without waiting for the resync."""
+    meta = body.get("metadata", {})
+    owner, namespace = (meta.get("labels") or {}).get(INSTANCE_LABEL), meta.get("namespace")
+    if owner and namespace:
+        await _refresh_owner(memo, logger, namespace, str(owner), apply=False)

@@ -8,7 +8,7 @@ from typing import Any
 
 import kopf
 
-from servedmodel.api import API_GROUP
+from servedmodel.api import API_GROUP, names
 from servedmodel.config import OperatorConfig
 from servedmodel.k8s import KubeClient
 
@@ -48,6 +48,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
+    # Only the operator's children: the Deployment and Pod watches are filtered by the API server.
+    children = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+    settings.watching.label_selectors["apps", "v1", "deployments"] = children
+    settings.watching.label_selectors["v1", "pods"] = children
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
 
