@@ -121,7 +121,7 @@ class Simulator:
                 "lower --max-model-len or raise --num-gpu-blocks"
             )
         self.model_name = settings.names[0]
-        self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
+        self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer, settings.model)
         self.template = ChatTemplate(settings.chat_template or default_template_name(settings.model))
         self._template_spec = settings.chat_template
         cache_info = {

