@@ -111,7 +111,7 @@ def _validation_error(message: str, param: str, input_summary: str) -> ApiError:
 class Simulator:
     """Engine + tokenizer + template + metrics + faults, and the aiohttp routes over them."""
 
-    def __init__(self, settings: SimSettings) -> None:
+    def __init__(self, settings: SimSettings, *, manage_gc: bool = False) -> None:
         self.settings = settings
         cfg = settings.engine
         if cfg.num_gpu_blocks * cfg.block_size < cfg.max_model_len:
@@ -138,7 +138,7 @@ class Simulator:
         }
         self.metrics = SimMetrics(self.model_name, cfg.max_model_len, cache_info)
         self.engine = Engine(cfg, self.tokenizer, self.metrics)
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, manage_gc=manage_gc)
         self.faults = settings.faults
         self.rng = random.Random(cfg.seed + 1)
         self.ready_at = time.monotonic() + settings.startup_delay_s
@@ -767,7 +767,7 @@ class SseSink:
 
 async def serve(settings: SimSettings, *, ready: Callable[[int], None] | None = None) -> None:
     """Run until cancelled: bind, start the engine loop, answer requests."""
-    sim = Simulator(settings)
+    sim = Simulator(settings, manage_gc=True)
     runner = web.AppRunner(sim.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
