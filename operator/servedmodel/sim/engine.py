@@ -667,8 +667,9 @@ class GcPacer:
 class EngineLoop:
     """Drives an Engine in real time: plan a step, sleep until its end, apply it; idle when no work."""
 
-    # asyncio's timers wake up to 1 ms late (epoll's millisecond timeout); sleep the last stretch precisely.
-    SPIN_MARGIN_S = 0.0012
+    # asyncio's timers wake up to 1 ms late (epoll's millisecond timeout) and later on a busy machine; the
+    # last stretch is slept precisely (nanosleep), blocking the loop for at most this long per step.
+    SPIN_MARGIN_S = 0.002
     # Steps follow each other on the schedule (step k+1 starts when step k ends, as on a GPU whose output
     # processing overlaps the next step), so CPU time spent streaming a step's tokens does not stretch the
     # simulated engine. Only when the process falls this far behind is the schedule re-anchored to now.
