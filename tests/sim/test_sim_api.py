@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -445,6 +447,32 @@ def test_ground_truth_of_a_request(sim: SimulatorProcess) -> None:
     assert row["arrival"] <= row["scheduled"] <= row["first_token"] <= row["last_token"]
     assert row["e2e_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"] + row["decode_ms"], abs=0.01)
     assert row["ttft_ms"] == pytest.approx(row["queue_ms"] + row["prefill_ms"], abs=0.01)
+    # "received" is stamped before the body is read: the door (parse, template, tokenize) comes after.
+    assert row["received"] <= row["arrival"]
+    assert row["door_ms"] >= 0
+    assert row["ttft_from_received_ms"] == pytest.approx(row["door_ms"] + row["ttft_ms"], abs=0.01)
+
+
+def test_received_is_taken_before_the_body_arrives(sim: SimulatorProcess) -> None:
+    """A client that sends its headers, then its body 50 ms later: the door covers the wait, arrival not."""
+    body = json.dumps({"model": "qwen", "messages": COUNT, "max_tokens": 2, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nX-Request-Id: slow-body\r\nConnection: close\r\n\r\n"
+    ).encode()
+    sent = time.monotonic()
+    with socket.create_connection(("127.0.0.1", sim.port), timeout=10) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200")
+    row = next(x for x in ground_truth(sim) if x["request_id"] == "chatcmpl-slow-body")
+    assert sent <= row["received"] <= row["arrival"]  # one CLOCK_MONOTONIC for both processes
+    assert row["door_ms"] >= 50.0
+    assert row["ttft_from_received_ms"] >= row["door_ms"] + row["ttft_ms"] - 0.01
 
 
 def test_hf_tokenizer_dir_and_template_file(tmp_path: Path) -> None:

@@ -106,6 +106,7 @@ class Request:
         "plan_prefix",
         "prev_token",
         "prompt_ids",
+        "received",
         "request_id",
         "sent_chars",
         "state",
@@ -132,6 +133,7 @@ class Request:
         stop_token_ids: Iterable[int] = (),
         ignore_stop: bool = False,
         arrival: float = 0.0,
+        received: float | None = None,
         notify: Callable[[], None] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -149,6 +151,8 @@ class Request:
         self.ignore_stop = ignore_stop
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.arrival = arrival
+        # When the HTTP server got the request (before body, template, tokenize): the client's zero.
+        self.received = received
         self.notify = notify
         self.state = WAITING
         self.num_computed = 0
@@ -201,6 +205,7 @@ class Request:
 
         return {
             "request_id": self.request_id,
+            "received": self.received,
             "arrival": self.arrival,
             "scheduled": self.first_scheduled,
             "first_token": self.first_token,
@@ -210,6 +215,8 @@ class Request:
             "decode_ms": ms(self.first_token, self.last_token),
             "e2e_ms": ms(self.arrival, self.last_token),
             "ttft_ms": ms(self.arrival, self.first_token),
+            "door_ms": ms(self.received, self.arrival),
+            "ttft_from_received_ms": ms(self.received, self.first_token),
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.num_cached_tokens,

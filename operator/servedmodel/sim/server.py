@@ -36,6 +36,8 @@ THINK_TEXT = "<think>\nThe user wants an answer. I will answer.\n</think>\n\n"
 ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# time.monotonic() when the middleware first saw the request
+RECEIVED = web.RequestKey("servedmodel.sim.received", float)
 
 
 @dataclasses.dataclass
@@ -179,6 +181,9 @@ class Simulator:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.monotonic()
+        # Ground truth "received": the first thing the server does with a request, before reading its body
+        # (the client's clock starts about here; the engine's arrival comes after the door).
+        request[RECEIVED] = started
         path = request.path
         status = 500
         try:
@@ -503,6 +508,7 @@ class Simulator:
         request_id = ("chatcmpl-" if chat else "cmpl-") + base_id
         # Arrival = handed to the engine, as vLLM stamps it: the door (render, tokenize) comes before.
         req = self._new_request(body, prompt_ids, echo, time.monotonic(), request_id, thinking)
+        req.received = request.get(RECEIVED)
         if req.request_id in self.engine.requests:
             req.request_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         wake = asyncio.Event()
