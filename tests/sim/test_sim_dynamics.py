@@ -253,3 +253,45 @@ def test_stream_headers_go_out_before_queue_and_prefill(sim: SimulatorProcess) -
         assert first_at - headers_at > 0.2
     finally:
         httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": before["step_base_ms"]}, timeout=5)
+
+
+async def test_queue_time_is_never_negative_under_concurrent_load() -> None:
+    """Requests arriving while a step runs late join a later step: scheduled >= arrival, always.
+
+    Regression: steps follow each other on the schedule, so a step may be planned at a start time earlier
+    than now; requests that arrived after that start were admitted into it and got a negative queue time
+    (and vllm:request_queue_time_seconds a negative observation).
+    """
+    async with SimulatorProcess([*BASE_ARGS, "--sim-step-base-ms", "1"], ready_timeout=60) as sim:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+
+        async def one(h: httpx.AsyncClient, i: int) -> str:
+            body = {
+                "model": "qwen",
+                "messages": [{"role": "user", "content": f"request {i}: one two three"}],
+                "max_tokens": 4 + i % 7,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            await asyncio.sleep((i % 16) * 0.003)  # staggered: arrivals land in the middle of steps
+            async with h.stream(
+                "POST", f"{sim.base_url}/v1/chat/completions", json=body, headers={"X-Request-Id": f"q-{i}"}
+            ) as resp:
+                async for _ in resp.aiter_lines():
+                    pass
+            return f"chatcmpl-q-{i}"
+
+        async with httpx.AsyncClient(timeout=60, limits=limits) as h:
+            ids = set()
+            for round_ in range(3):
+                ids |= set(await asyncio.gather(*(one(h, 100 * round_ + i) for i in range(48))))
+            text = (await h.get(f"{sim.base_url}/metrics")).text
+        rows = [r for r in ground_truth(sim) if r["request_id"] in ids]
+        assert len(rows) == len(ids)
+        negative = [r for r in rows if r["queue_ms"] < 0]
+        assert not negative, f"{len(negative)} of {len(rows)} with a negative queue time: {negative[:3]}"
+        assert all(r["arrival"] <= r["scheduled"] <= r["first_token"] for r in rows)
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "vllm:request_queue_time_seconds_sum":
+                    assert s.value >= 0

@@ -87,6 +87,37 @@ def test_ttft_of_queued_request_is_queue_plus_prefill(tok: QwenTokenizer) -> Non
     assert gt["prefill_ms"] == pytest.approx(prefill_step, abs=1e-6)
 
 
+def test_request_arriving_after_a_step_began_joins_the_next_step(tok: QwenTokenizer) -> None:
+    """Regression: steps run back to back on the schedule, so a step can be planned at a start earlier than
+    the real time; a request that arrived after that start was admitted into it (negative queue time)."""
+    engine = make_engine(tok)
+    a = request(tok, "a", 20, 3)
+    engine.add(a)
+    plan = engine.schedule(0.0)
+    assert plan is not None
+    engine.complete(plan, plan.end + 0.004)  # the loop woke 4 ms late
+    b = request(tok, "b", 20, 3, arrival=plan.end + 0.002)  # arrived while the loop was late
+    engine.add(b)
+    nxt = engine.schedule(plan.end)  # the next step starts where the last one was due to end
+    assert nxt is not None
+    assert [r.request_id for r, _ in nxt.scheduled] == ["a"]
+    assert b.first_scheduled is None
+    engine.complete(nxt, nxt.end)
+    run(engine, nxt.end)
+    assert b.first_scheduled == nxt.end
+    assert b.ground_truth()["queue_ms"] >= 0
+
+    # Idle engine: nothing can start before the request is there; at its arrival it is admitted.
+    assert b.last_token is not None
+    c = request(tok, "c", 20, 3, arrival=b.last_token + 0.010)
+    engine.add(c)
+    assert engine.schedule(c.arrival - 0.001) is None
+    run(engine, c.arrival)
+    gt = c.ground_truth()
+    assert gt["queue_ms"] == 0.0
+    assert gt["ttft_ms"] == pytest.approx(5.0 + 0.1 * 20 + 0.5, abs=1e-6)
+
+
 def test_prefill_time_grows_by_per_token_cost(tok: QwenTokenizer) -> None:
     times = []
     for n in (100, 1100):

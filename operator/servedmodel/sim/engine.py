@@ -436,6 +436,11 @@ class Engine:
 
         while self.waiting and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.arrival > now:
+                # Arrived after this step began (the loop plans steps back to back on the schedule, so a
+                # step's start can be earlier than the real time): it joins the next step, as on a GPU.
+                # Admitting it here stamped `scheduled` before `arrival`: a negative queue time.
+                break
             fresh = req.num_computed == 0 and not req.block_hashes
             if fresh:
                 hit = kv.match_and_take(req)
@@ -722,6 +727,10 @@ class EngineLoop:
             now = time.monotonic()
             start = now if next_start is None or now - next_start > self.MAX_BEHIND_S else next_start
             plan = engine.schedule(start)
+            if plan is None and engine.waiting and engine.waiting[0].arrival > start:
+                # The engine went idle at `start` and work arrived since: the next step starts now.
+                start = time.monotonic()
+                plan = engine.schedule(start)
             if plan is None:
                 # Work exists but nothing fits (e.g. KV full with no running request): wait for a change.
                 self._wake.clear()
