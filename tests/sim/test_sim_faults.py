@@ -136,6 +136,35 @@ def test_template_swap_at_run_time(faults: SimulatorProcess) -> None:
     assert ids[0] == 151644
 
 
+def rendered(sim: SimulatorProcess) -> str:
+    """The prompt text the current chat template makes of CHAT's messages."""
+    ids = httpx.post(f"{sim.base_url}/tokenize", json={"messages": CHAT["messages"]}, timeout=5).json()[
+        "tokens"
+    ]
+    text: str = httpx.post(f"{sim.base_url}/detokenize", json={"tokens": ids}, timeout=5).json()["prompt"]
+    return text
+
+
+def test_reset_restores_the_default_template(faults: SimulatorProcess) -> None:
+    chatml = rendered(faults)
+    assert chatml.startswith("<|im_start|>system")
+    set_faults(faults, chat_template="llama3")
+    assert rendered(faults).startswith("<|begin_of_text|>")
+    assert set_faults(faults, reset=True)["chat_template"] is None
+    assert rendered(faults) == chatml
+
+
+def test_rejected_change_leaves_faults_and_template_as_they_were(faults: SimulatorProcess) -> None:
+    set_faults(faults, chat_template="llama3")
+    r = httpx.post(
+        f"{faults.base_url}/admin/faults", json={"error_rate": 0.5, "chat_template": "no-such"}, timeout=5
+    )
+    assert r.status_code == 400
+    now = httpx.get(f"{faults.base_url}/admin/faults", timeout=5).json()
+    assert (now["error_rate"], now["chat_template"]) == (0.0, "llama3")
+    assert rendered(faults).startswith("<|begin_of_text|>")
+
+
 def test_admin_rejects_unknown_settings(faults: SimulatorProcess) -> None:
     r = httpx.post(f"{faults.base_url}/admin/faults", json={"explode": True}, timeout=5)
     assert r.status_code == 400
@@ -148,8 +177,11 @@ def test_faults_by_flag_and_plain_template_file(tmp_path: object) -> None:
     with SimulatorProcess(args, ready_timeout=60) as sim:
         with pytest.raises(openai.RateLimitError):
             client(sim).chat.completions.create(**CHAT)  # type: ignore[call-overload]
-        ids = httpx.post(f"{sim.base_url}/tokenize", json={"messages": CHAT["messages"]}, timeout=5).json()[
-            "tokens"
-        ]
-        text = httpx.post(f"{sim.base_url}/detokenize", json={"tokens": ids}, timeout=5).json()["prompt"]
-        assert text == "user: Count: one two three four five\nassistant: "
+        plain = "user: Count: one two three four five\nassistant: "
+        assert rendered(sim) == plain
+        # A reset restores the template given at start-up (--chat-template), not the model's default.
+        set_faults(sim, chat_template="llama3")
+        assert rendered(sim).startswith("<|begin_of_text|>")
+        assert set_faults(sim, reset=True)["error_rate"] == 0.0
+        assert rendered(sim) == plain
+        assert client(sim).chat.completions.create(**CHAT).choices[0].finish_reason == "stop"  # type: ignore[call-overload]

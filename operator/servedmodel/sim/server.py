@@ -305,14 +305,18 @@ class Simulator:
 
     async def post_faults(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        if body.pop("reset", False):
+        reset = bool(body.pop("reset", False))
+        before = self.faults.as_dict()
+        if reset:
             self.faults.__init__()  # type: ignore[misc]
         try:
             self.faults.update(body)
-            if "chat_template" in body:
+            if reset or "chat_template" in body:
+                # No swapped template (or a reset): the one given at start-up, else the model's default.
                 spec = self.faults.chat_template or self._template_spec
                 self.template = ChatTemplate(spec or default_template_name(self.settings.model))
         except ValueError as exc:
+            self.faults.__init__(**before)  # type: ignore[misc]  # all or nothing
             raise ApiError(400, str(exc)) from exc
         if self.faults.dead:
             for req in self.engine.requests.values():
