@@ -1,0 +1,221 @@
+"""What the operator costs on the local control plane: apply → Ready, Ready → first probe, status writes, RSS.
+
+Method
+- One control plane (hack/controlplane.py: real kube-apiserver, controller-manager, scheduler, and kwok
+  with a fake 8-GPU node, so engine Deployments become available without a process behind them).
+- One simulator on 127.0.0.1; the operator runs as a subprocess with SERVEDMODEL_ENDPOINT_OVERRIDE pointing
+  at it, so every ServedModel's probe goes to that simulator (never to the fake pods' addresses).
+- N ServedModels are applied at once (up to 8 on GPUs, the rest with engine.kind simulator and no GPU);
+  the script polls `kubectl get sm` and records, per object, apply → phase Ready and apply → status.probe set.
+- Then it stays idle for --idle seconds and reads the operator's own /metrics before and after: reconcile
+  counts and durations, status writes, Kubernetes API requests. RSS is the operator process's VmRSS.
+
+    .venv/bin/python bench/operator_reconcile.py            # 10 ServedModels, 35 s idle
+    .venv/bin/python bench/operator_reconcile.py -n 20 --idle 65
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from servedmodel.sim.process import SimulatorProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "hack"))
+import controlplane  # noqa: E402  (hack/ is tooling, not a package)
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+NAMESPACE = "bench"
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def servedmodel(i: int) -> dict[str, Any]:
+    on_gpu = i < 8  # the kwok node advertises 8 GPUs
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": f"m{i}"},
+        "spec": {
+            "model": MODEL,
+            "engine": {"kind": "vllm" if on_gpu else "simulator"},
+            "resources": {"gpus": 1 if on_gpu else 0},
+            "probe": {"interval": 60},
+        },
+    }
+
+
+def scrape(port: int) -> Metrics:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("servedmodel_")
+    }
+
+
+def total(m: Metrics, name: str, **labels: str) -> float:
+    """Sum of every sample called `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_healthy(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def pct(values: list[float], q: float) -> float:
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-n", type=int, default=10, help="ServedModels to apply (default 10)")
+    parser.add_argument(
+        "--idle", type=float, default=35.0, help="idle seconds after all are probed (default 35)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="give up waiting after this many seconds"
+    )
+    args = parser.parse_args()
+
+    with controlplane.running() as cp, SimulatorProcess([MODEL, "--max-model-len", "4096"]) as sim:
+        cp.kubectl(
+            "apply", "--server-side", "-f", str(ROOT / "crds/inference.servedmodel.io_servedmodels.yaml")
+        )
+        cp.wait_established("servedmodels.inference.servedmodel.io")
+        cp.kubectl("create", "namespace", NAMESPACE)
+        health, metrics = controlplane.free_ports(2)
+        env = {
+            **os.environ,
+            **cp.env,
+            "SERVEDMODEL_HEALTH_PORT": str(health),
+            "SERVEDMODEL_METRICS_PORT": str(metrics),
+            "SERVEDMODEL_ENDPOINT_OVERRIDE": sim.base_url,
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "servedmodel.cli",
+            "run",
+            "-n",
+            NAMESPACE,
+            "--bind-address",
+            "127.0.0.1",
+            "-q",
+        ]
+        operator = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(health)
+            rss_idle = rss_mb(operator.pid)
+            applied: dict[str, float] = {}
+            for i in range(args.n):
+                obj = servedmodel(i)
+                applied[obj["metadata"]["name"]] = time.monotonic()
+                cp.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(obj))
+            ready: dict[str, float] = {}
+            probed: dict[str, float] = {}
+            deadline = time.monotonic() + args.timeout
+            while len(probed) < args.n and time.monotonic() < deadline:
+                items = json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+                now = time.monotonic()
+                for item in items:
+                    name, status = item["metadata"]["name"], item.get("status") or {}
+                    if name not in ready and status.get("phase") == "Ready":
+                        ready[name] = now - applied[name]
+                    if name not in probed and (status.get("probe") or {}).get("result"):
+                        probed[name] = now - applied[name]
+                time.sleep(0.1)
+            before = scrape(metrics)
+            versions = {
+                i["metadata"]["name"]: i["metadata"]["resourceVersion"]
+                for i in json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+            }
+            time.sleep(args.idle)
+            after = scrape(metrics)
+            versions_after = {
+                i["metadata"]["name"]: i["metadata"]["resourceVersion"]
+                for i in json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+            }
+            rss_busy = rss_mb(operator.pid)
+        finally:
+            operator.send_signal(signal.SIGTERM)
+            try:
+                operator.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+                operator.wait()
+
+    if not ready:
+        print("no ServedModel became Ready", file=sys.stderr)
+        return 1
+    r, p = sorted(ready.values()), sorted(probed[k] - ready[k] for k in probed if k in ready)
+    refresh = "servedmodel_reconcile_duration_seconds_count"
+    idle_refreshes = total(after, refresh) - total(before, refresh)
+    idle_writes = total(after, "servedmodel_status_writes_total") - total(
+        before, "servedmodel_status_writes_total"
+    )
+    idle_requests = total(after, "servedmodel_kube_api_requests") - total(
+        before, "servedmodel_kube_api_requests"
+    )
+    changed = sum(versions[k] != versions_after.get(k) for k in versions)
+    rows = [
+        ("ServedModels applied / Ready / probed", f"{args.n} / {len(ready)} / {len(probed)}"),
+        ("apply → phase Ready, s (min / p50 / max)", f"{r[0]:.2f} / {pct(r, 50):.2f} / {r[-1]:.2f}"),
+        (
+            "Ready → first probe in status, s (min / p50 / max)",
+            f"{p[0]:.2f} / {pct(p, 50):.2f} / {p[-1]:.2f}" if p else "—",
+        ),
+        (
+            "reconciler status writes until probed, per ServedModel",
+            f"{total(before, 'servedmodel_status_writes_total') / args.n:.1f}",
+        ),
+        (
+            f"idle {args.idle:.0f} s: reconciles / reconciler status writes / API requests",
+            f"{idle_refreshes:.0f} / {idle_writes:.0f} / {idle_requests:.0f}",
+        ),
+        (
+            f"idle {args.idle:.0f} s: ServedModels whose resourceVersion changed (probe writes included)",
+            f"{changed} of {len(versions)}",
+        ),
+        ("operator RSS, MB (started / with all probed)", f"{rss_idle:.0f} / {rss_busy:.0f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
