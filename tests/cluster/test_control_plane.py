@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cluster_support
 import pytest
 
 import controlplane
@@ -27,11 +28,7 @@ WAIT_S = 120.0
 
 
 def wait_for(what: str, cond: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
+    cluster_support.wait_for(what, cond, timeout, interval=0.1)
 
 
 def gone(cp: controlplane.ControlPlane, path: str) -> bool:

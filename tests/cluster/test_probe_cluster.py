@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import cluster_support
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,15 +39,8 @@ PROBE_CONDITIONS = ("Serving", "TemplateOK", "LatencySLOMet")
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        last = probe()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
-        time.sleep(0.3)
+    """Poll `probe` until it returns something truthy; return it, or fail saying what was last seen."""
+    return cluster_support.wait_for(what, probe, timeout, interval=0.3)
 
 
 def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:

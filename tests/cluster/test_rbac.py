@@ -20,13 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import cluster_support
 import pytest
 import yaml
 
@@ -122,14 +122,10 @@ def can_i(cp: controlplane.ControlPlane, *args: str) -> str:
 
 
 def wait_for(what: str, probe: Callable[[], Any], log: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}; operator log:\n{log()}")
-        time.sleep(0.5)
+    def detail() -> str:
+        return f"operator log:\n{log()}"
+
+    return cluster_support.wait_for(what, probe, WAIT_S, interval=0.5, detail=detail)
 
 
 def get(cp: controlplane.ControlPlane, *args: str) -> dict[str, Any] | None:

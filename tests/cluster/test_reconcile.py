@@ -11,10 +11,10 @@ Waits are bounded polls (`wait_for`); nothing here asserts on elapsed time.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
+import cluster_support
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,15 +31,7 @@ WAIT_S = 90.0
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
     """Poll `probe` until it returns something truthy; return it, or fail saying what was last seen."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        last = probe()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
-        time.sleep(0.2)
+    return cluster_support.wait_for(what, probe, timeout)
 
 
 def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, Any] | None:
