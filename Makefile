@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint crd test test-unit dev down control-plane control-plane-or-skip bench
+.PHONY: install lint crd test test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ control-plane:
 control-plane-or-skip:
 	hack/build-control-plane.sh || echo "WARNING: control plane not built (see above): cluster tests will be skipped" >&2
 
+# OLM's bundle validator (operator-verify) and the Prometheus Operator's CRDs, from the Go module proxy,
+# fetched before pytest (a cold build takes minutes); the tests that need them skip if this fails.
+olm-tools-or-skip: install
+	$(BIN)/python hack/olm_tools.py || echo "WARNING: OLM tools not built (see above): their tests will be skipped" >&2
+
 lint: install
 	$(BIN)/ruff check operator tests bench hack
 	$(BIN)/ruff format --check operator tests bench hack
@@ -36,7 +41,7 @@ crd: install
 	$(BIN)/python hack/gen_bundle.py
 
 ## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.
-test: install control-plane-or-skip lint
+test: install control-plane-or-skip olm-tools-or-skip lint
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 test-unit: install

@@ -16,6 +16,9 @@ from pathlib import Path
 
 OLM_API_MODULE = "github.com/operator-framework/api"
 OLM_API_VERSION = "v0.30.0"
+# The Prometheus Operator's CRDs (ServiceMonitor, PrometheusRule, PodMonitor), for server-side dry-runs.
+PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 BUILD_TIMEOUT_S = 1800.0  # cold on 2 cores: about 4 minutes of CPU, 8 with a busy machine
 
 
@@ -84,5 +87,7 @@ def olm_crd(plural: str) -> Path:
 
 
 if __name__ == "__main__":
+    # `make test` runs this before pytest: a cold build takes minutes, longer than one test may run.
     print(operator_verify())
     print(olm_crd("clusterserviceversions"))
+    print(module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION))

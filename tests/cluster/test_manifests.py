@@ -33,8 +33,6 @@ KUSTOMIZATIONS = ["base", "overlays/kubernetes", "overlays/openshift", "monitori
 SAMPLES = sorted(p for p in (MANIFESTS / "samples").glob("*.yaml") if p.name != "kustomization.yaml")
 BUNDLE = MANIFESTS / "bundle" / "manifests"
 CSV_FILE = BUNDLE / "servedmodel-operator.clusterserviceversion.yaml"
-PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
-PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 MONITORING_CRDS = ["servicemonitors", "podmonitors", "prometheusrules"]
 # Namespaces that exist on the target clusters before anything of ours is applied.
 PREEXISTING_NAMESPACES = ["servedmodel-system", "openshift-config-managed"]
@@ -47,7 +45,7 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
         pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
     try:
         csv_crd = olm_tools.olm_crd("clusterserviceversions")
-        prom = olm_tools.module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION)
+        prom = olm_tools.module_dir(olm_tools.PROMETHEUS_OPERATOR, olm_tools.PROMETHEUS_OPERATOR_VERSION)
     except olm_tools.ToolUnavailable as exc:
         pytest.skip(str(exc))
     prom = prom / "example" / "prometheus-operator-crd"

@@ -41,8 +41,6 @@ SAMPLE = ROOT / "manifests" / "samples" / "simulator.yaml"
 OPERATOR_NS = "servedmodel-system"
 SA = "servedmodel-operator"
 SA_USER = f"system:serviceaccount:{OPERATOR_NS}:{SA}"
-PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
-PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 WAIT_S = 120.0
 STOP_TIMEOUT_S = 15.0
 
@@ -77,7 +75,7 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
     if missing:
         pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
     try:
-        prom = olm_tools.module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION)
+        prom = olm_tools.module_dir(olm_tools.PROMETHEUS_OPERATOR, olm_tools.PROMETHEUS_OPERATOR_VERSION)
     except olm_tools.ToolUnavailable as exc:
         pytest.skip(str(exc))
     servicemonitors = (
