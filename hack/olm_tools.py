@@ -86,8 +86,17 @@ def olm_crd(plural: str) -> Path:
     return path
 
 
+def prometheus_operator_crd(plural: str) -> Path:
+    """The Prometheus Operator's CRD file for a resource, e.g. prometheus_operator_crd("servicemonitors")."""
+    module = module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION)
+    path = module / "example" / "prometheus-operator-crd" / f"monitoring.coreos.com_{plural}.yaml"
+    if not path.is_file():
+        raise ToolUnavailable(f"{path} not in the module")
+    return path
+
+
 if __name__ == "__main__":
     # `make test` runs this before pytest: a cold build takes minutes, longer than one test may run.
     print(operator_verify())
     print(olm_crd("clusterserviceversions"))
-    print(module_dir(PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION))
+    print(prometheus_operator_crd("servicemonitors"))

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import yaml
+
+import controlplane
 
 
 def wait_for(
@@ -30,3 +33,31 @@ def wait_for(
             extra = f"\n{detail()}" if detail else ""
             pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}{extra}")
         time.sleep(interval)
+
+
+def served_model(name: str, **spec: Any) -> dict[str, Any]:
+    """A vLLM ServedModel for the fake GPU node; `spec` keys replace the defaults."""
+    body: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "engine": {"maxModelLen": 4096},
+        "resources": {"gpus": 1},
+    }
+    body.update(spec)
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    """The condition of that type in obj's status, or {} when there is none (or no obj)."""
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}

@@ -44,13 +44,11 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
     if missing:
         pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
     try:
-        csv_crd = olm_tools.olm_crd("clusterserviceversions")
-        prom = olm_tools.module_dir(olm_tools.PROMETHEUS_OPERATOR, olm_tools.PROMETHEUS_OPERATOR_VERSION)
+        crds = [olm_tools.olm_crd("clusterserviceversions")]
+        crds += [olm_tools.prometheus_operator_crd(plural) for plural in MONITORING_CRDS]
     except olm_tools.ToolUnavailable as exc:
         pytest.skip(str(exc))
-    prom = prom / "example" / "prometheus-operator-crd"
-    crds = [csv_crd, ROOT / "crds" / "inference.servedmodel.io_servedmodels.yaml"]
-    crds += [prom / f"monitoring.coreos.com_{plural}.yaml" for plural in MONITORING_CRDS]
+    crds.append(ROOT / "crds" / "inference.servedmodel.io_servedmodels.yaml")
     with controlplane.running() as cp:
         args = [a for p in crds for a in ("-f", str(p))]
         cp.kubectl("apply", "--server-side", *args, timeout=120)

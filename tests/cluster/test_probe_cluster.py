@@ -22,7 +22,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-import yaml
+from cluster_support import apply, condition, served_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
@@ -47,32 +47,6 @@ def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, An
     res = cp.kubectl("get", "-n", namespace, "servedmodel", name, "-o", "json", "--show-managed-fields")
     out: dict[str, Any] = json.loads(res.stdout)
     return out
-
-
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == type_:
-            return dict(c)
-    return {}
-
-
-def served_model(name: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "Qwen/Qwen2.5-0.5B-Instruct",
-        "engine": {"maxModelLen": 4096},
-        "resources": {"gpus": 1},
-    }
-    body.update(spec)
-    return {
-        "apiVersion": "inference.servedmodel.io/v1alpha1",
-        "kind": "ServedModel",
-        "metadata": {"name": name},
-        "spec": body,
-    }
-
-
-def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
 
 def metric(op: OperatorProcess, sample: str, **labels: str) -> float:

@@ -75,12 +75,9 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
     if missing:
         pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
     try:
-        prom = olm_tools.module_dir(olm_tools.PROMETHEUS_OPERATOR, olm_tools.PROMETHEUS_OPERATOR_VERSION)
+        servicemonitors = olm_tools.prometheus_operator_crd("servicemonitors")
     except olm_tools.ToolUnavailable as exc:
         pytest.skip(str(exc))
-    servicemonitors = (
-        prom / "example" / "prometheus-operator-crd" / "monitoring.coreos.com_servicemonitors.yaml"
-    )
     with controlplane.running() as cp:
         cp.kubectl(
             "apply", "--server-side", "-f", str(servicemonitors), "-f", "-", input=json.dumps(ROUTE_CRD)

@@ -16,7 +16,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-import yaml
+from cluster_support import apply, condition
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
@@ -50,33 +50,10 @@ def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, An
     return obj
 
 
-def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == type_:
-            return dict(c)
-    return {}
-
-
-def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
-
-
 def served_model(name: str, **spec: Any) -> dict[str, Any]:
     """A vLLM ServedModel for the fake GPU node. Probing is off unless a test turns it on: kwok's pods
     serve nothing, and a failing probe (Serving=False) would rightly make a Ready model Degraded."""
-    body: dict[str, Any] = {
-        "model": "Qwen/Qwen2.5-0.5B-Instruct",
-        "engine": {"maxModelLen": 4096},
-        "resources": {"gpus": 1},
-        "probe": {"enabled": False},
-    }
-    body.update(spec)
-    return {
-        "apiVersion": "inference.servedmodel.io/v1alpha1",
-        "kind": "ServedModel",
-        "metadata": {"name": name},
-        "spec": body,
-    }
+    return cluster_support.served_model(name, **{"probe": {"enabled": False}, **spec})
 
 
 def phase_is(cp: controlplane.ControlPlane, namespace: str, name: str, phase: str) -> Callable[[], Any]:
