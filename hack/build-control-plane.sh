@@ -39,7 +39,7 @@ build_etcd() {
   local dir="${WORK}/etcd"
   rm -rf "${dir}" && mkdir -p "${dir}" && cd "${dir}"
   go mod init servedmodel.local/etcdbuild >/dev/null 2>&1
-  go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
+  go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}" || return 1
   go build -trimpath -ldflags "-s -w" -o "${BIN}/etcd.tmp" go.etcd.io/etcd/server/v3
   mv "${BIN}/etcd.tmp" "${BIN}/etcd"
 }
@@ -48,7 +48,7 @@ build_kwok() {
   local dir="${WORK}/kwok"
   rm -rf "${dir}" && mkdir -p "${dir}" && cd "${dir}"
   go mod init servedmodel.local/kwokbuild >/dev/null 2>&1
-  go get "sigs.k8s.io/kwok@${KWOK_VERSION}"
+  go get "sigs.k8s.io/kwok@${KWOK_VERSION}" || return 1
   go build -trimpath -o "${BIN}/kwok.tmp" \
     -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION}" sigs.k8s.io/kwok/cmd/kwok
   mv "${BIN}/kwok.tmp" "${BIN}/kwok"
@@ -92,7 +92,9 @@ build_kubernetes() {
   log "throwaway module: $(grep -c ' => ' go.mod) staging replaces at ${staging_version}"
   local pkgs=()
   for b in "${K8S_BINS[@]}"; do have "$b" || pkgs+=("k8s.io/kubernetes/cmd/$b"); done
-  go get "${pkgs[@]}"
+  # Each package at the pinned version: a bare `go get PKG` means @upgrade and would pull the newest
+  # k8s.io/kubernetes, whose staging modules do not match the replaces above.
+  go get "${pkgs[@]/%/@${K8S_VERSION}}" || return 1
   local now ld=()
   now="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   local minor="${K8S_VERSION#v1.}"
@@ -109,6 +111,7 @@ build_kubernetes() {
   done
 }
 
+# errexit does not apply inside a subshell on the left of `||`, so the build steps return 1 themselves.
 timed() {
   local name=$1 t0 rc=0
   t0=$(date +%s)
