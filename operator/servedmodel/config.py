@@ -47,3 +47,20 @@ class OperatorConfig(BaseSettings):
     health_port: int = Field(
         default=8091, ge=0, le=65535, description="Port of kopf's liveness endpoint; 0 = off."
     )
+    # The control loop (controller.py, docs/architecture-reconcile.md).
+    workers: int = Field(default=8, ge=1, le=256, description="Concurrent reconciles (work-queue workers).")
+    max_inflight_requests: int = Field(
+        default=32, ge=1, le=1024, description="Kubernetes API requests the operator's client has in flight."
+    )
+    resync_interval: float = Field(
+        default=600.0,
+        ge=0,
+        description="Seconds between safety resyncs that enqueue every ServedModel (cache reads); 0 = off.",
+    )
+    backoff_base: float = Field(default=0.5, gt=0, description="First retry delay of a failed reconcile, s.")
+    backoff_cap: float = Field(
+        default=300.0, gt=0, description="Longest retry delay of a reconcile that keeps failing, s."
+    )
+    api_timeout: float = Field(
+        default=30.0, gt=0, description="Read timeout of one Kubernetes API request, s (connect: 5 s)."
+    )

@@ -1,5 +1,6 @@
 """The only code that talks to the Kubernetes API server: credentials, a typed async client, SSA."""
 
+from .cache import Cache
 from .client import (
     KNOWN_RESOURCES,
     ApiError,
@@ -16,6 +17,7 @@ from .credentials import Credentials, CredentialsError, load_credentials
 __all__ = [
     "KNOWN_RESOURCES",
     "ApiError",
+    "Cache",
     "ConflictError",
     "Credentials",
     "CredentialsError",

@@ -1,0 +1,186 @@
+"""A watch-fed, in-memory store of Kubernetes objects: what the control loop reads instead of the API server.
+
+Pure (no I/O, no kopf, no clock): the kopf event handlers (handlers/servedmodel.py) feed it every watch
+event of the ServedModels and of the operator's children, and the writers (the reconciler, the probe)
+may write their own responses through (`upsert`) so the next pass does not act on a stale copy.
+
+Objects are the API's JSON dicts, stored by kind → namespace → name. `metadata.managedFields` and the
+`kubectl.kubernetes.io/last-applied-configuration` annotation are dropped on the way in: they are large
+and nobody reads them, and the cache holds thousands of Pods. Stored dicts are shared: treat what the
+read API returns as read-only (copy before changing it).
+
+Read API (what the reconciler, the probe scheduler and autoscaling use):
+
+- ``cache.get(kind, namespace, name) -> Obj | None``
+- ``cache.list(kind, namespace=None, *, labels=None, owner_uid=None) -> list[Obj]``: every object of
+  `kind` (one namespace, or all when None) whose labels include every ``labels`` pair (a value of
+  ``None`` only requires the key) and, with `owner_uid`, that has an ownerReference with that uid;
+  sorted by name.
+- ``cache.owner_key(obj) -> (namespace, name) | None``: the ServedModel an object belongs to (its
+  controller ownerReference of kind ServedModel, else the ``app.kubernetes.io/instance`` label).
+- ``cache.keys(kind) -> list[(namespace, name)]``; ``cache.tracks(kind)``: whether anything feeds it;
+  ``len(cache)``; ``cache.count(kind)``.
+
+Kinds are named by their `kind` ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim",
+"EndpointSlice", "HorizontalPodAutoscaler", "ScaledObject", ...): the operator never watches two kinds
+of the same name from different groups.
+
+Ordering: a watch delivers one kind's events in order, but a written-through response can be newer
+than an event still in flight. An event or upsert whose `metadata.resourceVersion` is older than the
+stored one (compared as integers, which etcd-backed API servers hand out) is ignored; when either is not
+an integer the newer arrival wins, as in client-go's informers.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, Literal
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace, name)
+EventType = Literal["ADDED", "MODIFIED", "DELETED"] | str | None
+
+SERVED_MODEL: Final = "ServedModel"
+INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
+LAST_APPLIED: Final = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _rv(obj: Mapping[str, Any]) -> int | None:
+    try:
+        return int(str(_meta(obj).get("resourceVersion")))
+    except ValueError:
+        return None
+
+
+def slim(obj: Mapping[str, Any]) -> Obj:
+    """A copy without managedFields and kubectl's last-applied annotation (nothing here reads them)."""
+    out = dict(obj)
+    meta = dict(_meta(obj))
+    meta.pop("managedFields", None)
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping) and LAST_APPLIED in annotations:
+        meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+    out["metadata"] = meta
+    return out
+
+
+def labels_match(obj: Mapping[str, Any], labels: Mapping[str, str | None]) -> bool:
+    """Equality-based selector: every key present, with the value unless the value is None."""
+    have = _meta(obj).get("labels") or {}
+    return all(k in have and (v is None or have[k] == v) for k, v in labels.items())
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in _meta(obj).get("ownerReferences") or [])
+
+
+class Cache:
+    """kind → namespace → name → object. Single-threaded (the operator's event loop); no locks needed."""
+
+    def __init__(self) -> None:
+        self._store: dict[str, dict[str, dict[str, Obj]]] = {}
+        self._fed: set[str] = set()
+
+    # ---- writes (watch events, write-through) ----------------------------------------------------
+
+    def track(self, kind: str) -> None:
+        """Declare that a watch feeds `kind` (so `tracks(kind)` is True before its first event)."""
+        self._fed.add(kind)
+        self._store.setdefault(kind, {})
+
+    def apply_event(self, kind: str, event_type: EventType, obj: Mapping[str, Any]) -> bool:
+        """One watch event (kopf's `type`: None for the initial listing, ADDED, MODIFIED, DELETED).
+
+        Returns True when the store changed (a stale event changes nothing)."""
+        self.track(kind)
+        if event_type == "DELETED":
+            return self.remove(kind, str(_meta(obj).get("namespace") or ""), str(_meta(obj).get("name")))
+        return self.upsert(kind, obj)
+
+    def upsert(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """Store `obj` unless the stored copy is newer; True when stored."""
+        meta = _meta(obj)
+        name = meta.get("name")
+        if not name:
+            return False
+        namespace = str(meta.get("namespace") or "")
+        bucket = self._store.setdefault(kind, {}).setdefault(namespace, {})
+        old = bucket.get(str(name))
+        if old is not None:
+            old_rv, new_rv = _rv(old), _rv(obj)
+            if old_rv is not None and new_rv is not None and new_rv < old_rv:
+                return False
+        bucket[str(name)] = slim(obj)
+        return True
+
+    def remove(self, kind: str, namespace: str, name: str) -> bool:
+        bucket = self._store.get(kind, {}).get(namespace)
+        if bucket is None or name not in bucket:
+            return False
+        del bucket[name]
+        if not bucket:
+            del self._store[kind][namespace]
+        return True
+
+    # ---- reads -----------------------------------------------------------------------------------
+
+    def tracks(self, kind: str) -> bool:
+        """Whether a watch feeds `kind` (an untracked kind's absence says nothing)."""
+        return kind in self._fed
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return self._store.get(kind, {}).get(namespace, {}).get(name)
+
+    def list(
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        owner_uid: str | None = None,
+    ) -> list[Obj]:
+        by_ns = self._store.get(kind, {})
+        buckets = [by_ns.get(namespace, {})] if namespace is not None else list(by_ns.values())
+        out = [
+            obj
+            for bucket in buckets
+            for obj in bucket.values()
+            if (labels is None or labels_match(obj, labels))
+            and (owner_uid is None or owned_by(obj, owner_uid))
+        ]
+        out.sort(key=lambda o: (str(_meta(o).get("namespace") or ""), str(_meta(o).get("name"))))
+        return out
+
+    def keys(self, kind: str = SERVED_MODEL) -> builtins.list[Key]:
+        return sorted((ns, name) for ns, bucket in self._store.get(kind, {}).items() for name in bucket)
+
+    def count(self, kind: str) -> int:
+        return sum(len(b) for b in self._store.get(kind, {}).values())
+
+    def __len__(self) -> int:
+        return sum(self.count(kind) for kind in self._store)
+
+    def __iter__(self) -> Iterator[tuple[str, Obj]]:
+        for kind, by_ns in self._store.items():
+            for bucket in by_ns.values():
+                for obj in bucket.values():
+                    yield kind, obj
+
+    @staticmethod
+    def owner_key(obj: Mapping[str, Any]) -> Key | None:
+        """The ServedModel `obj` belongs to: its controller ownerReference, else the instance label."""
+        meta = _meta(obj)
+        namespace = meta.get("namespace")
+        if not namespace:
+            return None
+        for ref in meta.get("ownerReferences") or []:
+            if ref.get("kind") == SERVED_MODEL and ref.get("controller") and ref.get("name"):
+                return str(namespace), str(ref["name"])
+        instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+        return (str(namespace), str(instance)) if instance else None
