@@ -25,7 +25,7 @@ from typing import Any, Final
 import pydantic
 
 from . import status as st
-from .api import API_GROUP_VERSION, PLURAL, ServedModel, names
+from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, KubeClient
 from .render import RenderContext, RenderError, render
@@ -104,14 +104,6 @@ def _unobserved(deployment: Mapping[str, Any]) -> bool:
     return seen < int((deployment.get("metadata") or {}).get("generation") or 0)
 
 
-def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
-    """A condition of the current status; the probe's (Serving) are read, never written, here."""
-    for c in (status or {}).get("conditions") or []:
-        if isinstance(c, Mapping) and c.get("type") == type_:
-            return c
-    return None
-
-
 def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
@@ -176,13 +168,7 @@ async def reconcile(
     generation = int(meta.get("generation") or 0)
     uid = str(meta.get("uid") or "")
     previous = body.get("status")
-    common: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "generation": generation,
-        "previous": previous,
-        "now": now(),
-    }
+    subject = st.Subject(name, namespace, generation, previous, now())
 
     invalid: str | None = None
     cr: ServedModel | None = None
@@ -210,7 +196,7 @@ async def reconcile(
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.
         observed = await observe(client, name, namespace, with_route=False)
-        desired = st.compute_status(**common, observed=observed, invalid_spec=invalid)
+        desired = st.compute_status(subject, st.InvalidSpec(invalid, observed))
         written = await write_status(client, config, body, desired)
         return Outcome(
             desired, written, st.transitions(previous, desired) if written else [], invalid_spec=invalid
@@ -235,14 +221,14 @@ async def reconcile(
             keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
             pruned = await prune(client, name, namespace, uid, keep, optional)
 
-    serving = _condition(previous, "Serving") if cr.spec.probe.enabled else None
-    if cr.spec.external:
-        desired = st.compute_status(
-            **common,
-            external_endpoint=cr.spec.endpoint,
-            served_model_name=cr.spec.resolved_served_model_name,
-            serving=serving,
-        )
+    # The probe's Serving condition (its field manager's): a Ready model whose chat requests fail is
+    # Degraded. The probe's status write is a ServedModel event, so this pass follows it at once.
+    serving = conditions.find((previous or {}).get("conditions"), conditions.SERVING)
+    serving = serving if cr.spec.probe.enabled else None
+    served_model_name = cr.spec.resolved_served_model_name
+    mode: st.Mode
+    if cr.spec.endpoint is not None:
+        mode = st.External(cr.spec.endpoint, served_model_name, serving)
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
         # After an apply that changed the template, Progressing is the truth: no need to wait for the
@@ -250,13 +236,11 @@ async def reconcile(
         observed = await observe(
             client, name, namespace, with_route=with_route, settle_s=0.0 if apply else SETTLE_S
         )
-        desired = st.compute_status(
-            **common,
-            observed=observed,
-            served_model_name=cr.spec.resolved_served_model_name,
-            apply_error=apply_error,
-            serving=serving,
-        )
+        if apply_error is not None:
+            mode = st.ApplyFailed(observed, served_model_name, *apply_error)
+        else:
+            mode = st.Managed(observed, served_model_name, serving)
+    desired = st.compute_status(subject, mode)
     written = await write_status(client, config, body, desired)
     return Outcome(
         desired,

@@ -8,6 +8,10 @@ Progressing / Degraded (always) and InvalidSpec (only while the spec cannot be s
 its transitions deserve. Nothing here does I/O, reads a clock or imports kopf: the reconciler passes
 `now` in.
 
+`compute_status(subject, mode)` takes one of four explicit modes: `Managed` (observed children, and
+the probe's Serving while probing is on), `ApplyFailed` (a child's apply was refused), `External`
+(spec.endpoint, no children) and `InvalidSpec` (the spec cannot be served).
+
 URL convention, the same as spec.endpoint's: the server's base URL without /v1 (the OpenAI routes are
 under <base>/v1; /health, /metrics and /tokenize under <base>). endpoint: in-cluster
 `http://<name>-engine.<namespace>.svc:8000`, or spec.endpoint verbatim in external mode. routeUrl:
@@ -27,16 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from .api import names
+from .api import Phase, conditions, names
+from .api.conditions import ConditionStatus
 
 Obj = Mapping[str, Any]
-Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 
-READY: Final = "Ready"
-PROGRESSING: Final = "Progressing"
-DEGRADED: Final = "Degraded"
-INVALID_SPEC: Final = "InvalidSpec"
-RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
 # Status fields the reconciler's field manager owns (the probe owns status.probe and its own conditions).
 RECONCILER_FIELDS: Final = (
     "phase",
@@ -95,18 +94,23 @@ class Transition:
     message: str
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What one condition should say: status, reason (CamelCase), message."""
+
+    status: ConditionStatus
+    reason: str
+    message: str
+
+
+AS_EXPECTED: Final = Verdict("False", "AsExpected", "")
+
+
 @dataclass
 class _Conditions:
-    ready: tuple[str, str, str]  # status, reason, message
-    progressing: tuple[str, str, str]
-    degraded: tuple[str, str, str]
-
-
-def _cond(items: Any, type_: str) -> Obj | None:
-    for c in items or []:
-        if isinstance(c, Mapping) and c.get("type") == type_:
-            return c
-    return None
+    ready: Verdict
+    progressing: Verdict
+    degraded: Verdict
 
 
 def _containers(pod: Obj) -> list[Obj]:
@@ -147,14 +151,14 @@ def pod_problem(pod: Obj) -> Problem | None:
         elif reason in _RANK:
             message = waiting.get("message") or reason
             failures.append(Problem(reason, f"pod {name}: container {cname}: {message}"))
-    scheduled = _cond(status.get("conditions"), "PodScheduled")
+    scheduled = conditions.find(status.get("conditions"), "PodScheduled")
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         failures.append(
             Problem("Unschedulable", f"pod {name}: {scheduled.get('message') or 'unschedulable'}")
         )
     if failures:
         return min(failures, key=lambda p: _RANK[p.reason])
-    ready = _cond(status.get("conditions"), "Ready")
+    ready = conditions.find(status.get("conditions"), "Ready")
     if ready is not None and ready.get("status") == "True":
         return None
     for cs in _containers(pod):
@@ -173,9 +177,9 @@ def pod_problem(pod: Obj) -> Problem | None:
 
 def deployment_problems(deployment: Obj) -> list[Problem]:
     """Failures the Deployment controller reports: a passed progress deadline, pods it cannot create."""
-    conditions = (deployment.get("status") or {}).get("conditions")
+    dep_conditions = (deployment.get("status") or {}).get("conditions")
     out: list[Problem] = []
-    progressing = _cond(conditions, "Progressing")
+    progressing = conditions.find(dep_conditions, "Progressing")
     if (
         progressing
         and progressing.get("status") == "False"
@@ -186,7 +190,7 @@ def deployment_problems(deployment: Obj) -> list[Problem]:
                 "ProgressDeadlineExceeded", str(progressing.get("message") or "progress deadline exceeded")
             )
         )
-    replica_failure = _cond(conditions, "ReplicaFailure")
+    replica_failure = conditions.find(dep_conditions, "ReplicaFailure")
     if replica_failure and replica_failure.get("status") == "True":
         out.append(
             Problem(
@@ -216,25 +220,25 @@ def route_url(route: Obj | None) -> str | None:
 def _replica_counts(deployment: Obj | None) -> dict[str, int]:
     if deployment is None:
         return {"desired": 0, "replicas": 0, "ready": 0, "available": 0, "updated": 0}
-    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    spec, dep_status = deployment.get("spec") or {}, deployment.get("status") or {}
     return {
         "desired": int(spec.get("replicas", 1)),
-        "replicas": int(st.get("replicas") or 0),
-        "ready": int(st.get("readyReplicas") or 0),
-        "available": int(st.get("availableReplicas") or 0),
-        "updated": int(st.get("updatedReplicas") or 0),
+        "replicas": int(dep_status.get("replicas") or 0),
+        "ready": int(dep_status.get("readyReplicas") or 0),
+        "available": int(dep_status.get("availableReplicas") or 0),
+        "updated": int(dep_status.get("updatedReplicas") or 0),
     }
 
 
 def rollout_complete(deployment: Obj) -> bool:
     """kubectl rollout status's test: newest spec seen; every replica is new and available."""
-    meta, st = deployment.get("metadata") or {}, deployment.get("status") or {}
-    n = _replica_counts(deployment)
+    meta, dep_status = deployment.get("metadata") or {}, deployment.get("status") or {}
+    counts = _replica_counts(deployment)
     return (
-        int(st.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
-        and n["updated"] >= n["desired"]
-        and n["replicas"] <= n["updated"]
-        and n["available"] >= n["updated"]
+        int(dep_status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
+        and counts["updated"] >= counts["desired"]
+        and counts["replicas"] <= counts["updated"]
+        and counts["available"] >= counts["updated"]
     )
 
 
@@ -243,15 +247,15 @@ def _assess_managed(observed: Observed) -> tuple[Phase, _Conditions]:
     if dep is None:
         msg = "the engine Deployment does not exist yet"
         return "Pending", _Conditions(
-            ("False", "DeploymentMissing", msg),
-            ("True", "DeploymentMissing", msg),
-            ("False", "AsExpected", ""),
+            Verdict("False", "DeploymentMissing", msg),
+            Verdict("True", "DeploymentMissing", msg),
+            AS_EXPECTED,
         )
-    n = _replica_counts(dep)
-    if n["desired"] == 0 and n["replicas"] == 0:
+    counts = _replica_counts(dep)
+    if counts["desired"] == 0 and counts["replicas"] == 0:
         msg = "spec.replicas is 0: nothing serves"
         return "Pending", _Conditions(
-            ("False", "ScaledToZero", msg), ("False", "ScaledToZero", msg), ("False", "AsExpected", "")
+            Verdict("False", "ScaledToZero", msg), Verdict("False", "ScaledToZero", msg), AS_EXPECTED
         )
     live_pods = sorted(
         (p for p in observed.pods if not (p.get("metadata") or {}).get("deletionTimestamp")),
@@ -269,146 +273,202 @@ def _assess_managed(observed: Observed) -> tuple[Phase, _Conditions]:
         failures.append(Problem(worst.reason, worst.message + suffix))
     failures.extend(deployment_problems(dep))
 
-    counts = f"{n['available']}/{n['desired']} replicas available"
-    available = _cond((dep.get("status") or {}).get("conditions"), "Available")
-    is_ready = n["available"] >= 1 and (
-        available.get("status") == "True" if available is not None else n["available"] >= n["desired"]
+    dep_conditions = (dep.get("status") or {}).get("conditions")
+    available_msg = f"{counts['available']}/{counts['desired']} replicas available"
+    available = conditions.find(dep_conditions, "Available")
+    is_ready = counts["available"] >= 1 and (
+        available.get("status") == "True"
+        if available is not None
+        else counts["available"] >= counts["desired"]
     )
     if is_ready:
-        ready = ("True", str((available or {}).get("reason") or "MinimumReplicasAvailable"), counts)
+        ready = Verdict(
+            "True", str((available or {}).get("reason") or "MinimumReplicasAvailable"), available_msg
+        )
     elif failures:
-        ready = ("False", failures[0].reason, failures[0].message)
+        ready = Verdict("False", failures[0].reason, failures[0].message)
     elif pod_problems:
-        ready = ("False", pod_problems[0].reason, f"{counts}; {pod_problems[0].message}")
+        ready = Verdict("False", pod_problems[0].reason, f"{available_msg}; {pod_problems[0].message}")
     else:
-        ready = ("False", str((available or {}).get("reason") or "MinimumReplicasUnavailable"), counts)
+        ready = Verdict(
+            "False", str((available or {}).get("reason") or "MinimumReplicasUnavailable"), available_msg
+        )
 
     deadline = next((f for f in failures if f.reason == "ProgressDeadlineExceeded"), None)
     complete = rollout_complete(dep)
-    progress_cond = _cond((dep.get("status") or {}).get("conditions"), "Progressing")
-    rollout_msg = f"{n['updated']}/{n['desired']} replicas updated, {counts}"
+    progress_cond = conditions.find(dep_conditions, "Progressing")
+    rollout_msg = f"{counts['updated']}/{counts['desired']} replicas updated, {available_msg}"
     if deadline is not None:
-        progressing = ("False", "ProgressDeadlineExceeded", deadline.message)
+        progressing = Verdict("False", "ProgressDeadlineExceeded", deadline.message)
     elif complete:
-        progressing = ("False", "NewReplicaSetAvailable", f"rollout complete: {counts}")
+        progressing = Verdict("False", "NewReplicaSetAvailable", f"rollout complete: {available_msg}")
     else:
         reason = str((progress_cond or {}).get("reason") or "ReplicaSetUpdated")
         seen = int((dep.get("status") or {}).get("observedGeneration") or 0)
         if seen < int((dep.get("metadata") or {}).get("generation") or 0):
             reason = "ReplicaSetUpdated"  # its condition still describes the previous template
-        progressing = ("True", reason, rollout_msg)
+        progressing = Verdict("True", reason, rollout_msg)
 
-    degraded = ("True", failures[0].reason, failures[0].message) if failures else ("False", "AsExpected", "")
+    degraded = Verdict("True", failures[0].reason, failures[0].message) if failures else AS_EXPECTED
 
     phase: Phase
-    if deadline is not None and n["available"] == 0:
+    if deadline is not None and counts["available"] == 0:
         phase = "Failed"
     elif failures:
         phase = "Degraded"
     elif is_ready and complete:
         phase = "Ready"
-    elif n["replicas"] == 0 and not live_pods:
+    elif counts["replicas"] == 0 and not live_pods:
         phase = "Pending"
     else:
         phase = "Progressing"
     return phase, _Conditions(ready, progressing, degraded)
 
 
-def compute_status(
-    *,
-    name: str,
-    namespace: str,
-    generation: int,
-    previous: Obj | None,
-    now: str,
-    observed: Observed | None = None,
-    external_endpoint: str | None = None,
-    served_model_name: str | None = None,
-    invalid_spec: str | None = None,
-    apply_error: tuple[str, str] | None = None,
-    serving: Obj | None = None,
-) -> dict[str, Any]:
-    """The reconciler's status fragment (camelCase, ready for apply_status).
+# ---- the modes of compute_status --------------------------------------------------------------------
 
-    Exactly one of the modes: `invalid_spec` (the message of why the spec cannot be served),
-    `external_endpoint` (spec.endpoint, no children), or `observed` children. `apply_error` (reason,
-    message) marks a failed server-side apply of a child on top of what is observed. `previous` is the
-    current status: a condition whose status did not change keeps its lastTransitionTime.
 
-    `serving` is the probe's Serving condition (pass it only while probing is on): replicas that are
-    ready but fail a real chat request make the phase Degraded, with the probe's reason on Degraded.
-    """
-    n = _replica_counts(observed.deployment if observed else None)
-    status: dict[str, Any] = {"observedGeneration": generation}
-    if invalid_spec is not None:
-        phase: Phase = "Failed"
-        conds = _Conditions(
-            ("False", "InvalidSpec", invalid_spec),
-            ("False", "InvalidSpec", invalid_spec),
-            ("True", "InvalidSpec", invalid_spec),
-        )
-    elif external_endpoint is not None:
-        phase = "Ready"
-        msg = f"external mode: no children; serving at {external_endpoint} (the probe checks it)"
-        conds = _Conditions(
-            ("True", "ExternalEndpoint", msg), ("False", "ExternalEndpoint", msg), ("False", "AsExpected", "")
-        )
-        status["endpoint"] = external_endpoint
-    else:
-        phase, conds = _assess_managed(observed or Observed())
-        status["endpoint"] = endpoint_url(name, namespace)
-        if (url := route_url(observed.route if observed else None)) is not None:
-            status["routeUrl"] = url
-    if served_model_name is not None:
-        status["servedModelName"] = served_model_name
-    if phase == "Ready" and serving is not None and serving.get("status") == "False":
-        # Ready by Kubernetes' account, yet a real chat request fails: what users care about.
-        reason = str(serving.get("reason") or "ProbeFailed")
-        conds.degraded = ("True", reason, f"Serving=False: {serving.get('message') or reason}")
-        phase = "Degraded"
-    if apply_error is not None:
-        conds.degraded = ("True", apply_error[0], apply_error[1])
-        if phase != "Failed":
-            phase = "Degraded"
-    if external_endpoint is None and (invalid_spec is None or (observed and observed.deployment)):
-        status.update(
-            replicas=n["replicas"],
-            readyReplicas=n["ready"],
-            ready=f"{n['ready']}/{n['desired']}",
-            selector=names.selector_string(name),
-        )
+@dataclass(frozen=True)
+class Subject:
+    """The ServedModel a status is computed for, and when: what every mode shares.
+
+    `previous` is its status as it is now (both writers' fields): a condition whose status does not
+    change keeps its lastTransitionTime from there."""
+
+    name: str
+    namespace: str
+    generation: int
+    previous: Obj | None
+    now: str  # RFC 3339, seconds (metav1.Time)
+
+
+@dataclass(frozen=True)
+class Managed:
+    """The operator deploys the engine: the status follows the observed children.
+
+    `serving` is the probe's Serving condition, passed only while probing is on: replicas that are
+    ready by Kubernetes' account but fail a real chat request make the phase Degraded."""
+
+    observed: Observed
+    served_model_name: str
+    serving: Obj | None = None
+
+
+@dataclass(frozen=True)
+class ApplyFailed:
+    """Managed, but the API server refused a child's server-side apply (a 4xx): Degraded with that
+    reason whatever the children say (the refused change never reached them)."""
+
+    observed: Observed
+    served_model_name: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class External:
+    """spec.endpoint: no children; Ready by definition, Degraded while the probe's Serving is False."""
+
+    endpoint: str
+    served_model_name: str
+    serving: Obj | None = None
+
+
+@dataclass(frozen=True)
+class InvalidSpec:
+    """The spec passed the schema but cannot be served. `observed`: the children of the last good
+    spec, left as they are (they may still serve); their replica counts stay in the status."""
+
+    message: str
+    observed: Observed = Observed()
+
+
+Mode = Managed | ApplyFailed | External | InvalidSpec
+
+
+def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Obj | None) -> Phase:
+    """Ready by Kubernetes' account, yet a real chat request fails: what users care about."""
+    if phase != "Ready" or serving is None or serving.get("status") != "False":
+        return phase
+    reason = str(serving.get("reason") or "ProbeFailed")
+    conds.degraded = Verdict("True", reason, f"Serving=False: {serving.get('message') or reason}")
+    return "Degraded"
+
+
+def _replica_fields(name: str, observed: Observed) -> dict[str, Any]:
+    counts = _replica_counts(observed.deployment)
+    return {
+        "replicas": counts["replicas"],
+        "readyReplicas": counts["ready"],
+        "ready": f"{counts['ready']}/{counts['desired']}",
+        "selector": names.selector_string(name),
+    }
+
+
+def compute_status(subject: Subject, mode: Mode) -> dict[str, Any]:
+    """The reconciler's status fragment (camelCase, ready for apply_status): its fields
+    (`RECONCILER_FIELDS`) and conditions (`conditions.RECONCILER_CONDITIONS`), never the probe's."""
+    status: dict[str, Any] = {"observedGeneration": subject.generation}
+    phase: Phase
+    match mode:
+        case InvalidSpec(message=message, observed=observed):
+            phase = "Failed"
+            conds = _Conditions(
+                Verdict("False", conditions.INVALID_SPEC, message),
+                Verdict("False", conditions.INVALID_SPEC, message),
+                Verdict("True", conditions.INVALID_SPEC, message),
+            )
+            if observed.deployment is not None:
+                status.update(_replica_fields(subject.name, observed))
+        case External(endpoint=endpoint, served_model_name=served, serving=serving):
+            msg = f"external mode: no children; serving at {endpoint} (the probe checks it)"
+            conds = _Conditions(
+                Verdict("True", "ExternalEndpoint", msg),
+                Verdict("False", "ExternalEndpoint", msg),
+                AS_EXPECTED,
+            )
+            phase = _degraded_by_probe("Ready", conds, serving)
+            status.update(endpoint=endpoint, servedModelName=served)
+        case Managed() | ApplyFailed():
+            phase, conds = _assess_managed(mode.observed)
+            status["endpoint"] = endpoint_url(subject.name, subject.namespace)
+            if (url := route_url(mode.observed.route)) is not None:
+                status["routeUrl"] = url
+            status["servedModelName"] = mode.served_model_name
+            status.update(_replica_fields(subject.name, mode.observed))
+            if isinstance(mode, Managed):
+                phase = _degraded_by_probe(phase, conds, mode.serving)
+            else:
+                conds.degraded = Verdict("True", mode.reason, mode.message)
+                if phase != "Failed":
+                    phase = "Degraded"
     status["phase"] = phase
-    before = {c.get("type"): c for c in (previous or {}).get("conditions") or [] if isinstance(c, Mapping)}
-    conditions = []
-    rows = [(READY, conds.ready), (PROGRESSING, conds.progressing), (DEGRADED, conds.degraded)]
-    if invalid_spec is not None:
+    rows = [
+        (conditions.READY, conds.ready),
+        (conditions.PROGRESSING, conds.progressing),
+        (conditions.DEGRADED, conds.degraded),
+    ]
+    if isinstance(mode, InvalidSpec):
         # Present only while true: a spec the schema let through but the operator cannot serve.
-        rows.append((INVALID_SPEC, ("True", "InvalidSpec", invalid_spec)))
-    for type_, (st, reason, message) in rows:
-        old = before.get(type_)
-        kept = old is not None and old.get("status") == st and old.get("lastTransitionTime")
-        conditions.append(
-            {
-                "type": type_,
-                "status": st,
-                "reason": reason,
-                "message": message,
-                "observedGeneration": generation,
-                "lastTransitionTime": old["lastTransitionTime"] if kept and old else now,
-            }
+        rows.append((conditions.INVALID_SPEC, Verdict("True", conditions.INVALID_SPEC, mode.message)))
+    previous = (subject.previous or {}).get("conditions")
+    status["conditions"] = [
+        conditions.transition(
+            previous, type_, v.status, v.reason, v.message, generation=subject.generation, now=subject.now
         )
-    status["conditions"] = conditions
+        for type_, v in rows
+    ]
     return status
 
 
 def _comparable(status: Obj | None) -> dict[str, Any]:
     status = status or {}
-    conds = {
+    ours = {
         c.get("type"): {k: v for k, v in c.items() if k != "lastTransitionTime"}
         for c in status.get("conditions") or []
-        if isinstance(c, Mapping) and c.get("type") in RECONCILER_CONDITIONS
+        if isinstance(c, Mapping) and c.get("type") in conditions.RECONCILER_CONDITIONS
     }
-    return {**{k: status.get(k) for k in RECONCILER_FIELDS}, "conditions": conds}
+    return {**{k: status.get(k) for k in RECONCILER_FIELDS}, "conditions": ours}
 
 
 def status_changed(current: Obj | None, desired: Obj) -> bool:
@@ -421,12 +481,11 @@ def transitions(current: Obj | None, desired: Obj) -> list[Transition]:
     """Events for what changed: the phase, and a new failure reason while still Degraded."""
     current = current or {}
     old_phase, new_phase = current.get("phase"), desired.get("phase")
-    old = {c.get("type"): c for c in current.get("conditions") or [] if isinstance(c, Mapping)}
-    new = {c.get("type"): c for c in desired.get("conditions") or []}
+    old_conditions, new_conditions = current.get("conditions"), desired.get("conditions")
     out: list[Transition] = []
     if old_phase != new_phase:
         bad = new_phase in ("Degraded", "Failed")
-        cause = new.get(DEGRADED if bad else READY) or {}
+        cause = conditions.find(new_conditions, conditions.DEGRADED if bad else conditions.READY) or {}
         detail = cause.get("message") or cause.get("reason") or ""
         out.append(
             Transition(
@@ -437,7 +496,8 @@ def transitions(current: Obj | None, desired: Obj) -> list[Transition]:
             )
         )
     elif new_phase in ("Degraded", "Failed"):
-        before, after = old.get(DEGRADED) or {}, new.get(DEGRADED) or {}
+        before = conditions.find(old_conditions, conditions.DEGRADED) or {}
+        after = conditions.find(new_conditions, conditions.DEGRADED) or {}
         if before.get("reason") != after.get("reason"):
             out.append(Transition("Warning", str(after.get("reason")), str(after.get("message") or "")))
     return out

@@ -11,7 +11,9 @@ Waits are bounded polls (`wait_for`); nothing here asserts on elapsed time.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cluster_support
@@ -424,25 +426,75 @@ def test_refused_apply_is_degraded_apply_failed(
     assert operator.alive()
 
 
-def test_failing_probe_degrades_a_ready_model(
-    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+def _watch_servedmodels(cp: controlplane.ControlPlane, namespace: str, out: Path) -> subprocess.Popen[bytes]:
+    """`kubectl get servedmodels -w`: every version of every ServedModel of the namespace, in order."""
+    cmd = [
+        str(cp.bin_dir / "kubectl"),
+        f"--kubeconfig={cp.kubeconfig}",
+        "get",
+        "servedmodels",
+        "-n",
+        namespace,
+    ]
+    with out.open("wb") as sink:
+        return subprocess.Popen(
+            [*cmd, "--watch", "--output-watch-events", "-o", "json"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def _versions(stream: str, name: str) -> list[dict[str, Any]]:
+    """The watched objects named `name`, oldest first (kubectl writes one JSON document per event)."""
+    decoder, at, out = json.JSONDecoder(), 0, []
+    while (at := stream.find("{", at)) != -1:
+        event, at = decoder.raw_decode(stream, at)
+        if event.get("object", {}).get("metadata", {}).get("name") == name:
+            out.append(event["object"])
+    return out
+
+
+def test_failing_probe_degrades_a_ready_model_at_once(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
 ) -> None:
+    """The probe's Serving=False reaches phase/Degraded in the reconciler's next status write, with the
+    safety resync off: the probe's status write is a ServedModel event the control loop acts on.
+
+    Counted, not timed: the first version of the object whose phase is Degraded still carries the first
+    failed probe (consecutiveFailures 1), so no second probe cycle, let alone a resync, was needed."""
     cp = control_plane
-    # External mode, probe on: the operator fixture points every probe at a closed loopback port.
-    manifest = {
-        "apiVersion": "inference.servedmodel.io/v1alpha1",
-        "kind": "ServedModel",
-        "metadata": {"name": "ext"},
-        "spec": {
-            "model": "Qwen/Qwen2.5-7B-Instruct",
-            "endpoint": "http://vllm.example:8000",
-            "probe": {"interval": 5},
-        },
-    }
-    apply(cp, namespace, manifest)
-    degraded = wait_for("phase Degraded", phase_is(cp, namespace, "ext", "Degraded"))
+    op = start_operator(namespaces=[namespace], env={"SERVEDMODEL_RESYNC_INTERVAL": "0"})
+    watch = _watch_servedmodels(cp, namespace, tmp_path / "watch.json")
+    try:
+        # External mode, probe on: the operator fixture points every probe at a closed loopback port.
+        manifest = {
+            "apiVersion": "inference.servedmodel.io/v1alpha1",
+            "kind": "ServedModel",
+            "metadata": {"name": "ext"},
+            "spec": {
+                "model": "Qwen/Qwen2.5-7B-Instruct",
+                "endpoint": "http://vllm.example:8000",
+                "probe": {"interval": 10},
+            },
+        }
+        apply(cp, namespace, manifest)
+        degraded = wait_for("phase Degraded", phase_is(cp, namespace, "ext", "Degraded"))
+    finally:
+        watch.terminate()
+        watch.wait(timeout=15)
     serving = condition(degraded, "Serving")
     assert serving["status"] == "False"
     cond = condition(degraded, "Degraded")
     assert (cond["status"], cond["reason"]) == ("True", serving["reason"])
     assert condition(degraded, "Ready")["status"] == "True"  # Kubernetes-ready; the chat request fails
+
+    versions = _versions((tmp_path / "watch.json").read_text(), "ext")
+    phases = [(v.get("status") or {}).get("phase") for v in versions]
+    first = phases.index("Degraded")
+    failures = ((versions[first].get("status") or {}).get("probe") or {}).get("consecutiveFailures")
+    assert failures == 1, f"Degraded only after {failures} failed probes; phases in order: {phases}"
+    assert op.alive()

@@ -8,7 +8,12 @@ import pytest
 
 from servedmodel.api import ServedModelStatus
 from servedmodel.status import (
+    ApplyFailed,
+    External,
+    InvalidSpec,
+    Managed,
     Observed,
+    Subject,
     compute_status,
     endpoint_url,
     pod_problem,
@@ -19,6 +24,13 @@ from servedmodel.status import (
 
 T0 = "2026-11-29T18:00:00Z"
 T1 = "2026-11-29T18:05:00Z"
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def subject(
+    generation: int = 1, previous: dict[str, Any] | None = None, now: str = T0, name: str = "qwen"
+) -> Subject:
+    return Subject(name, "ml", generation, previous, now)
 
 
 def deployment(
@@ -383,9 +395,7 @@ def test_managed_status(
     degraded: tuple[str, str],
     ready_column: str,
 ) -> None:
-    status = compute_status(
-        name="qwen", namespace="ml", generation=7, previous=None, now=T0, observed=observed
-    )
+    status = compute_status(subject(7), Managed(observed, MODEL))
     assert status["phase"] == phase
     got = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
     assert got == {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
@@ -408,7 +418,7 @@ def test_messages_say_what_the_pods_say() -> None:
         deployment(conditions=[UNAVAILABLE, ROLLING]),
         [pod(phase="Pending", ready=False, scheduled=UNSCHEDULABLE)],
     )
-    status = compute_status(name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=obs)
+    status = compute_status(subject(1), Managed(obs, MODEL))
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert "Insufficient nvidia.com/gpu" in degraded["message"]
     assert "qwen-6d4cf56db6-7xk2p" in degraded["message"]
@@ -432,7 +442,7 @@ def test_more_failing_pods_are_counted() -> None:
     pull = ("ErrImagePull", "manifest unknown")
     pods = [pod(f"qwen-{i}", phase="Pending", ready=False, waiting=pull) for i in range(3)]
     obs = Observed(deployment(desired=3, conditions=[UNAVAILABLE, ROLLING]), pods)
-    status = compute_status(name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=obs)
+    status = compute_status(subject(1), Managed(obs, MODEL))
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["message"] == "pod qwen-0: container vllm: manifest unknown (and 2 more pods failing)"
 
@@ -447,14 +457,7 @@ def test_evicted_pod() -> None:
 
 
 def test_invalid_spec() -> None:
-    status = compute_status(
-        name="qwen",
-        namespace="ml",
-        generation=4,
-        previous=None,
-        now=T0,
-        invalid_spec="tensorParallelSize 3 > gpus 2",
-    )
+    status = compute_status(subject(4), InvalidSpec("tensorParallelSize 3 > gpus 2"))
     assert status["phase"] == "Failed"
     assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
         "Ready": ("False", "InvalidSpec"),
@@ -465,22 +468,13 @@ def test_invalid_spec() -> None:
     assert all(c["message"] == "tensorParallelSize 3 > gpus 2" for c in status["conditions"])
     assert "replicas" not in status
     # Fixed: the InvalidSpec condition goes away (server-side apply drops what the manager no longer sends).
-    fixed = compute_status(
-        name="qwen", namespace="ml", generation=5, previous=status, now=T1, observed=READY_OBS
-    )
+    fixed = compute_status(subject(5, previous=status, now=T1), Managed(READY_OBS, MODEL))
     assert "InvalidSpec" not in {c["type"] for c in fixed["conditions"]}
     assert status_changed(status, fixed)
 
 
 def test_external_mode() -> None:
-    status = compute_status(
-        name="qwen",
-        namespace="ml",
-        generation=1,
-        previous=None,
-        now=T0,
-        external_endpoint="https://llm.example.com/v1",
-    )
+    status = compute_status(subject(), External("https://llm.example.com/v1", MODEL))
     assert status["endpoint"] == "https://llm.example.com/v1"
     assert status["phase"] == "Ready"
     assert not {"replicas", "readyReplicas", "ready", "selector"} & status.keys()
@@ -491,13 +485,8 @@ def test_external_mode() -> None:
 def test_apply_error_degrades() -> None:
     obs = Observed(deployment(ready=1, available=1, conditions=[AVAILABLE, ROLLED]), [pod()])
     status = compute_status(
-        name="qwen",
-        namespace="ml",
-        generation=2,
-        previous=None,
-        now=T0,
-        observed=obs,
-        apply_error=("ApplyFailed", "PersistentVolumeClaim qwen-cache: spec is immutable"),
+        subject(2),
+        ApplyFailed(obs, MODEL, "ApplyFailed", "PersistentVolumeClaim qwen-cache: spec is immutable"),
     )
     assert status["phase"] == "Degraded"
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
@@ -521,33 +510,21 @@ def test_apply_error_degrades() -> None:
 )
 def test_route_url(route: dict[str, Any] | None, url: str | None) -> None:
     assert route_url(route) == url
-    status = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=Observed(None, (), route)
-    )
+    status = compute_status(subject(1), Managed(Observed(None, (), route), MODEL))
     assert status.get("routeUrl") == url
     assert status["endpoint"] == endpoint_url("qwen", "ml") == "http://qwen-engine.ml.svc:8000"
 
 
 def test_fragment_is_valid_status_and_served_model_name() -> None:
     for observed in (READY_OBS, STARTING_OBS, Observed(None)):
-        status = compute_status(
-            name="qwen",
-            namespace="ml",
-            generation=3,
-            previous=None,
-            now=T0,
-            observed=observed,
-            served_model_name="Qwen/Qwen2.5-7B-Instruct",
-        )
+        status = compute_status(subject(3), Managed(observed, MODEL))
         parsed = ServedModelStatus.model_validate(status)
         assert parsed.served_model_name == "Qwen/Qwen2.5-7B-Instruct"
         assert parsed.model_dump(by_alias=True, exclude_none=True) == status
 
 
 def test_no_change_on_resync_and_times_kept() -> None:
-    first = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=READY_OBS
-    )
+    first = compute_status(subject(1), Managed(READY_OBS, MODEL))
     # What the server holds: ours plus the probe's fields and conditions.
     on_server = {
         **first,
@@ -557,21 +534,15 @@ def test_no_change_on_resync_and_times_kept() -> None:
             {"type": "Serving", "status": "True", "reason": "ChatCompleted"},
         ],
     }
-    again = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=on_server, now=T1, observed=READY_OBS
-    )
+    again = compute_status(subject(1, previous=on_server, now=T1), Managed(READY_OBS, MODEL))
     assert not status_changed(on_server, again)
     assert [c["lastTransitionTime"] for c in again["conditions"]] == [T0, T0, T0]
     assert transitions(on_server, again) == []
 
 
 def test_transition_times_and_events() -> None:
-    starting = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=STARTING_OBS
-    )
-    ready = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=starting, now=T1, observed=READY_OBS
-    )
+    starting = compute_status(subject(1), Managed(STARTING_OBS, MODEL))
+    ready = compute_status(subject(1, previous=starting, now=T1), Managed(READY_OBS, MODEL))
     assert status_changed(starting, ready)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
     assert times == {"Ready": T1, "Progressing": T1, "Degraded": T0}
@@ -590,16 +561,9 @@ def test_degraded_events_on_each_new_reason() -> None:
             [pod(phase="Pending", ready=False, waiting=waiting)],
         )
 
-    a = compute_status(
-        name="q", namespace="ml", generation=1, previous=None, now=T0, observed=failing(("ErrImagePull", "x"))
-    )
+    a = compute_status(subject(1, name="q"), Managed(failing(("ErrImagePull", "x")), MODEL))
     b = compute_status(
-        name="q",
-        namespace="ml",
-        generation=1,
-        previous=a,
-        now=T1,
-        observed=failing(("ImagePullBackOff", "x")),
+        subject(1, previous=a, now=T1, name="q"), Managed(failing(("ImagePullBackOff", "x")), MODEL)
     )
     (ev_a,) = transitions(None, a)
     (ev_b,) = transitions(a, b)
@@ -611,12 +575,8 @@ def test_degraded_events_on_each_new_reason() -> None:
 
 
 def test_generation_change_is_a_change() -> None:
-    first = compute_status(
-        name="qwen", namespace="ml", generation=1, previous=None, now=T0, observed=READY_OBS
-    )
-    second = compute_status(
-        name="qwen", namespace="ml", generation=2, previous=first, now=T1, observed=READY_OBS
-    )
+    first = compute_status(subject(1), Managed(READY_OBS, MODEL))
+    second = compute_status(subject(2, previous=first, now=T1), Managed(READY_OBS, MODEL))
     assert status_changed(first, second)
     assert transitions(first, second) == []
 
@@ -649,16 +609,8 @@ def test_probe_serving_degrades_a_ready_model(
     phase: str,
     degraded: tuple[str, str],
 ) -> None:
-    status = compute_status(
-        name="qwen",
-        namespace="ml",
-        generation=1,
-        previous=None,
-        now=T0,
-        observed=observed,
-        external_endpoint=external,
-        serving=serving,
-    )
+    mode = External(external, MODEL, serving) if external else Managed(observed or Observed(), MODEL, serving)
+    status = compute_status(subject(), mode)
     assert status["phase"] == phase
     cond = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert (cond["status"], cond["reason"]) == degraded

@@ -30,11 +30,6 @@ def cache_claim_name(name: str) -> str:
     return f"{name}-cache"
 
 
-def service_url(name: str, namespace: str) -> str:
-    """In-cluster base URL of the engine's OpenAI-compatible API (what status.endpoint says)."""
-    return f"http://{service_name(name)}.{namespace}.svc:{ENGINE_PORT}"
-
-
 def route_name(name: str) -> str:
     return name
 

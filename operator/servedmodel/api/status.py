@@ -63,7 +63,3 @@ class ServedModelStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     probe: ProbeStatus | None = Field(default=None, description="What the request-path probe measured.")
-
-    def condition(self, type_: str) -> Condition | None:
-        """The condition of that type, if present."""
-        return next((c for c in self.conditions or [] if c.type == type_), None)

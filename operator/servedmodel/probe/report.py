@@ -10,6 +10,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from servedmodel.api.base import Condition
+from servedmodel.api.conditions import (
+    LATENCY_SLO_MET,
+    SERVING,
+    TEMPLATE_OK,
+    ConditionStatus,
+    find,
+    transition,
+)
 from servedmodel.api.probe import (
     ClientLatency,
     ProbeChecks,
@@ -26,11 +34,6 @@ from . import errors as er
 from .client import ProbeOutcome
 from .metrics import MetricsSnapshot
 from .sse import percentile
-
-SERVING = "Serving"
-TEMPLATE_OK = "TemplateOK"
-LATENCY_SLO_MET = "LatencySLOMet"
-PROBE_CONDITIONS = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET)
 
 
 def rfc3339(t: datetime, timespec: str = "milliseconds") -> str:
@@ -237,7 +240,7 @@ def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | Non
     )
 
 
-def slo_verdict(spec: ProbeSpec, window: ProbeWindow | None) -> tuple[str, str, str] | None:
+def slo_verdict(spec: ProbeSpec, window: ProbeWindow | None) -> tuple[ConditionStatus, str, str] | None:
     """(status, reason, message) of LatencySLOMet from the window's p95s; None when no SLO is set."""
     slo = spec.slo
     if slo is None or all(v is None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms)):
@@ -264,6 +267,10 @@ def slo_verdict(spec: ProbeSpec, window: ProbeWindow | None) -> tuple[str, str, 
     return ("True", "SLOMet", f"every objective met at p95 over {window.samples} probes")
 
 
+# A request-path check's result as a condition status.
+CHECK_TO_CONDITION: dict[str, ConditionStatus] = {"Pass": "True", "Fail": "False"}
+
+
 def probe_conditions(
     status: ProbeStatus,
     spec: ProbeSpec,
@@ -273,38 +280,29 @@ def probe_conditions(
 ) -> list[Condition]:
     """Serving, TemplateOK and (with an SLO) LatencySLOMet. lastTransitionTime moves only when the
     condition's status changes; TemplateOK keeps its last verdict while probes fail."""
-    by_type = {str(c.get("type")): c for c in existing if isinstance(c, Mapping)}
-    wanted: list[tuple[str, str, str, str]] = []
+    wanted: list[tuple[str, ConditionStatus, str, str]] = []
     if status.result == "Success":
         wanted.append((SERVING, "True", "ChatCompletionSucceeded", status.message or ""))
     else:
         wanted.append((SERVING, "False", status.reason or "ProbeFailed", status.message or ""))
-    tc = status.checks.template if status.checks else None
-    if tc is not None:
-        ts = {"Pass": "True", "Fail": "False"}.get(tc.result, "Unknown")
-        wanted.append((TEMPLATE_OK, ts, tc.reason, tc.message))
-    elif TEMPLATE_OK in by_type:
-        c = by_type[TEMPLATE_OK]
-        wanted.append((TEMPLATE_OK, str(c.get("status")), str(c.get("reason")), str(c.get("message", ""))))
+    template = status.checks.template if status.checks else None
+    kept = find(list(existing), TEMPLATE_OK)
+    if template is not None:
+        verdict = CHECK_TO_CONDITION.get(template.result, "Unknown")
+        wanted.append((TEMPLATE_OK, verdict, template.reason, template.message))
+    elif kept is not None and kept.get("status") in ("True", "False", "Unknown"):
+        wanted.append((TEMPLATE_OK, kept["status"], str(kept.get("reason")), str(kept.get("message", ""))))
     else:
         wanted.append((TEMPLATE_OK, "Unknown", "NotProbedYet", "no successful probe yet"))
     slo = slo_verdict(spec, status.window)
     if slo is not None:
         wanted.append((LATENCY_SLO_MET, *slo))
-    out: list[Condition] = []
-    for ctype, cstatus, reason, message in wanted:
-        prev = by_type.get(ctype)
-        ltt = rfc3339(now, "seconds")  # metav1.Condition's format, as the reconciler writes it
-        if prev is not None and prev.get("status") == cstatus and prev.get("lastTransitionTime"):
-            ltt = str(prev["lastTransitionTime"])
-        out.append(
-            Condition(
-                type=ctype,
-                status=cstatus,
-                reason=reason,
-                message=message[:1000],
-                observed_generation=generation,
-                last_transition_time=ltt,
+    stamp = rfc3339(now, "seconds")  # metav1.Condition's format, as the reconciler writes it
+    return [
+        Condition.model_validate(
+            transition(
+                list(existing), ctype, cstatus, reason, message[:1000], generation=generation, now=stamp
             )
         )
-    return out
+        for ctype, cstatus, reason, message in wanted
+    ]

@@ -1,0 +1,82 @@
+"""Conditions, Kubernetes' shape (metav1.Condition), for both writers of a ServedModel's status.
+
+One lookup (`find`) for any condition list — a Pod's, a Deployment's, a ServedModel's — and one way to
+(re)state a condition (`transition`): lastTransitionTime moves only when the status changes, and every
+condition says which metadata.generation it was computed from.
+
+Who writes which condition (server-side apply, `status.conditions` is a list-map keyed by type, so each
+field manager owns its own entries; see docs/architecture-reconcile.md):
+
+- the reconciler (field manager `servedmodel-operator`): Ready, Progressing, Degraded, InvalidSpec;
+- the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from .base import ConditionStatus
+
+__all__ = [
+    "DEGRADED",
+    "INVALID_SPEC",
+    "LATENCY_SLO_MET",
+    "PROBE_CONDITIONS",
+    "PROGRESSING",
+    "READY",
+    "RECONCILER_CONDITIONS",
+    "SERVING",
+    "TEMPLATE_OK",
+    "ConditionStatus",
+    "find",
+    "transition",
+]
+
+READY: Final = "Ready"
+PROGRESSING: Final = "Progressing"
+DEGRADED: Final = "Degraded"
+INVALID_SPEC: Final = "InvalidSpec"
+SERVING: Final = "Serving"
+TEMPLATE_OK: Final = "TemplateOK"
+LATENCY_SLO_MET: Final = "LatencySLOMet"
+
+RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
+PROBE_CONDITIONS: Final = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET)
+
+
+def find(conditions: object, type_: str) -> Mapping[str, Any] | None:
+    """The condition of that type in a condition list as the API server returns it (None if absent).
+
+    Tolerates what a hand-edited object may hold: no list, or entries that are not mappings."""
+    if not isinstance(conditions, list | tuple):
+        return None
+    for c in conditions:
+        if isinstance(c, Mapping) and c.get("type") == type_:
+            return c
+    return None
+
+
+def transition(
+    previous: object,
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    now: str,
+) -> dict[str, Any]:
+    """The condition `type_` as it should be now (camelCase, ready for server-side apply).
+
+    `previous` is the current condition list; when the condition there has the same status, its
+    lastTransitionTime is kept, else it becomes `now` (RFC 3339, seconds: metav1.Time). A status
+    that only changes its reason or message is not a transition.
+    """
+    old = find(previous, type_)
+    kept = old.get("lastTransitionTime") if old is not None and old.get("status") == status else None
+    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    out["lastTransitionTime"] = str(kept) if kept else now
+    return out
