@@ -41,6 +41,15 @@ class OperatorConfig(BaseSettings):
             "tests, whose fake (kwok) pods have addresses that exist nowhere."
         ),
     )
+    probe_concurrency: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description=(
+            "Probe cycles the operator runs at once, over all ServedModels; a due cycle waits for a free "
+            "slot (earliest due first)."
+        ),
+    )
     metrics_port: int = Field(
         default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off."
     )

@@ -1,17 +1,26 @@
-"""The daemon's pure pieces: when it probes, and the one status patch it writes per cycle."""
+"""The probe scheduler (servedmodel.probing) without kopf: its pure pieces, and whole cycles against the
+simulator on loopback. The Kubernetes side is a recorder of the scheduler's reads and writes (the real
+API server is in tests/cluster/test_probe_cluster.py)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import asyncio
+import random
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.status import ServedModelStatus
-from servedmodel.handlers.probe import engine_ready, status_patch
+from servedmodel.config import OperatorConfig
+from servedmodel.k8s import NotFoundError
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.errors import ENGINE_UNHEALTHY, ProbeFailure
+from servedmodel.probing import ProbeMetrics, ProbeScheduler, engine_ready, first_due, status_patch
+from servedmodel.sim.process import SimulatorProcess
 
 MANAGED = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "resources": {"gpus": 1}}
 EXTERNAL = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "endpoint": "http://127.0.0.1:8000"}
@@ -43,15 +52,15 @@ def test_patch_holds_only_the_probes_fields() -> None:
     assert patch["conditions"][0]["reason"] == ENGINE_UNHEALTHY
     assert all(c["observedGeneration"] == 4 for c in patch["conditions"])
     assert new.consecutive_failures == 1
-    # what the daemon applies validates against the CR's status model (the CRD is generated from it)
+    # what the scheduler applies validates against the CR's status model (the CRD is generated from it)
     ServedModelStatus.model_validate(patch)
     # a previous status.probe from an older schema is ignored, not fatal
     _, again = status_patch(out, spec.probe, {"probe": {"unknownField": 1}}, 4)
     assert again["probe"]["consecutiveFailures"] == 1
 
 
-def test_previous_status_falls_back_to_the_daemons_last_write() -> None:
-    """The watch may not have delivered the daemon's last write yet: the window still grows."""
+def test_previous_status_falls_back_to_the_last_write() -> None:
+    """The watch may not have delivered the scheduler's last write yet: the window still grows."""
     t1 = datetime(2026, 11, 29, 19, 0, tzinfo=UTC)
     t2 = datetime(2026, 11, 29, 19, 1, tzinfo=UTC)
     spec = ServedModelSpec.model_validate(MANAGED)
@@ -61,3 +70,221 @@ def test_previous_status_falls_back_to_the_daemons_last_write() -> None:
     stale_body: dict[str, Any] = {}
     second, _ = status_patch(fail2, spec.probe, stale_body, 1, first)
     assert second.consecutive_failures == 2
+
+
+def test_first_due_spreads_new_models_and_keeps_the_spread_after_a_restart() -> None:
+    rng = random.Random(7)
+    wall = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+    fresh = [first_due(100.0, 60, None, wall, rng) for _ in range(1000)]
+    assert min(fresh) >= 100.0
+    assert max(fresh) <= 106.0  # within the first 10 % of the interval
+    assert len({round(d, 3) for d in fresh}) > 900  # not one instant
+    # probed 20 s before the restart: next cycle 40 s from now, as it would have been
+    last = (wall - timedelta(seconds=20)).isoformat().replace("+00:00", "Z")
+    assert first_due(100.0, 60, last, wall, rng) == pytest.approx(140.0)
+    # the operator was down for longer than an interval: anywhere in the next one
+    stale = (wall - timedelta(seconds=600)).isoformat().replace("+00:00", "Z")
+    restarted = [first_due(100.0, 60, stale, wall, rng) for _ in range(1000)]
+    assert min(restarted) >= 100.0
+    assert max(restarted) <= 160.0
+    assert max(restarted) - min(restarted) > 50
+
+
+class RecordingKube:
+    """The scheduler's view of the API server: ServedModels it answers for, status writes it records."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.writes: list[tuple[str, str, dict[str, Any]]] = []
+        self.on_write: Callable[[str, str], None] | None = None
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
+        if plural == "servedmodels":
+            return self.objects.get((namespace or "", name))
+        return None
+
+    async def list(self, api_version: str, plural: str, namespace: str | None = None, **_: Any) -> list[Any]:
+        return []
+
+    async def apply_status(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        status: dict[str, Any],
+        field_manager: str,
+        *,
+        force: bool = True,
+    ) -> dict[str, Any]:
+        assert field_manager == "servedmodel-probe"
+        key = (namespace or "", name)
+        if key not in self.objects:
+            raise NotFoundError(404, "NotFound", f"servedmodels {name} not found")
+        self.writes.append((key[0], key[1], status))
+        if self.on_write is not None:
+            self.on_write(*key)
+        obj = self.objects[key]
+        merged = {**(obj.get("status") or {}), "probe": status["probe"], "conditions": status["conditions"]}
+        obj["status"] = merged
+        return obj
+
+
+def external(name: str, url: str, **probe: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name, "namespace": "ns", "generation": 1, "uid": f"uid-{name}"},
+        "spec": {
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "servedModelName": "qwen",
+            "endpoint": url,
+            "probe": {"interval": 5, "checkLimits": False, **probe},
+        },
+    }
+
+
+def scheduler(kube: RecordingKube, **config: Any) -> tuple[ProbeScheduler, list[tuple[str, str]]]:
+    enqueued: list[tuple[str, str]] = []
+    sched = ProbeScheduler(
+        kube=kube,
+        config=OperatorConfig(**config),
+        metrics=ProbeMetrics(CollectorRegistry()),
+        enqueue=lambda ns, name: enqueued.append((ns, name)),
+        rng=random.Random(1),
+    )
+    return sched, enqueued
+
+
+def test_cycle_writes_once_and_enqueues_when_serving_changes(faults: SimulatorProcess) -> None:
+    async def main() -> None:
+        kube = RecordingKube()
+        body = external("a", faults.base_url)
+        kube.objects[("ns", "a")] = body
+        sched, enqueued = scheduler(kube)
+        sched.track(body)
+        try:  # cycles driven by the test; the scheduling loop is not started
+            first = await sched.run_cycle(("ns", "a"))
+            assert first.probed
+            assert first.written
+            assert first.serving_changed
+            assert enqueued == [("ns", "a")]
+            assert len(kube.writes) == 1
+            patch = kube.writes[0][2]
+            assert patch["probe"]["result"] == "Success"
+            assert 4.5 <= first.next_delay_s <= 5.5  # the interval, jittered ±10 %
+            # the next success changes figures (one write) but not Serving: nothing enqueued
+            second = await sched.run_cycle(("ns", "a"))
+            assert second.written
+            assert not second.serving_changed
+            assert enqueued == [("ns", "a")]
+            assert len(kube.writes) == 2
+            # the engine dies: Serving turns False, the reconciler is asked to look again
+            await asyncio.to_thread(_set_faults, faults, dead=True)
+            third = await sched.run_cycle(("ns", "a"))
+            assert third.written
+            assert third.serving_changed
+            assert kube.writes[-1][2]["conditions"][0]["reason"] == ENGINE_UNHEALTHY
+            assert enqueued == [("ns", "a"), ("ns", "a")]
+            # failing again: this model backs off (two intervals), Serving unchanged, nothing enqueued
+            fourth = await sched.run_cycle(("ns", "a"))
+            assert 9.0 <= fourth.next_delay_s <= 11.0
+            assert not fourth.serving_changed
+            assert len(enqueued) == 2
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+def _set_faults(sim: SimulatorProcess, **faults: Any) -> None:
+    from probe_support import set_faults
+
+    set_faults(sim, **faults)
+
+
+def test_nothing_written_when_disabled_deleting_or_gone(faults: SimulatorProcess) -> None:
+    async def main() -> None:
+        kube = RecordingKube()
+        sched, enqueued = scheduler(kube)
+        try:
+            off = external("off", faults.base_url, enabled=False)
+            kube.objects[("ns", "off")] = off
+            sched.track(off)
+            result = await sched.run_cycle(("ns", "off"))
+            assert (result.probed, result.skipped, result.next_delay_s) == (False, "disabled", 5.0)
+
+            going = external("going", faults.base_url)
+            going["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
+            sched.track(going)
+            assert ("ns", "going") not in sched.tracked()  # a deletionTimestamp forgets it
+
+            gone = external("gone", faults.base_url)
+            sched.track(gone)  # tracked from an event, but the API server no longer has it
+            result = await sched.run_cycle(("ns", "gone"))
+            assert result.probed
+            assert not result.written
+            assert ("ns", "gone") not in sched.tracked()
+        finally:
+            await sched.stop()
+        assert kube.writes == []
+        assert enqueued == []
+
+    asyncio.run(main())
+
+
+def test_models_fire_spread_out_under_the_concurrency_cap(faults: SimulatorProcess) -> None:
+    """Twenty models with a cap of 3: never more than 3 cycles at once, every model probed, each written
+    once per cycle, and stop() leaves no task behind."""
+
+    async def main() -> None:
+        kube = RecordingKube()
+        sched, _ = scheduler(kube, probe_concurrency=3)
+        in_flight: list[int] = []
+        real = sched.run_cycle
+
+        async def counting(key: tuple[str, str]) -> Any:
+            in_flight.append(int(sched.metrics.in_flight._value.get()))
+            return await real(key)
+
+        sched.run_cycle = counting  # type: ignore[method-assign]
+        names = [f"m{i:02d}" for i in range(20)]
+        for n in names:
+            body = external(n, faults.base_url)
+            kube.objects[("ns", n)] = body
+            sched.track(body)
+        await sched.start()
+        try:
+            for _ in range(300):
+                if {w[1] for w in kube.writes} >= set(names):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await sched.stop()
+        assert {w[1] for w in kube.writes} == set(names)
+        assert max(in_flight) <= 3
+        leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert leftover == []
+
+    asyncio.run(main())
+
+
+def test_stop_cancels_a_cycle_in_flight_and_nothing_is_written(faults: SimulatorProcess) -> None:
+    async def main() -> None:
+        kube = RecordingKube()
+        await asyncio.to_thread(_set_faults, faults, first_byte_delay_ms=10_000)
+        body = external("slow", faults.base_url)
+        kube.objects[("ns", "slow")] = body
+        sched, _ = scheduler(kube)
+        sched.track(body)
+        await sched.start()
+        for _ in range(100):  # the first cycle runs within 10 % of the 5 s interval
+            if sched.metrics.in_flight._value.get() >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert sched.metrics.in_flight._value.get() == 1
+        await asyncio.wait_for(sched.stop(), timeout=5)
+        assert kube.writes == []
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())

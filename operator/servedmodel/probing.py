@@ -1,0 +1,656 @@
+"""The operator-wide probe scheduler: one asyncio task that probes every ServedModel's request path.
+
+No kopf here (handlers/probe.py only starts and stops it). It replaces the per-object kopf daemon,
+which made kopf hold a finalizer on every ServedModel and gave each its own polling loop.
+
+- Due times: each ServedModel has its own, spec.probe.interval apart and jittered ±10 %; a model seen
+  for the first time is placed at a random point of its first interval (continuing from its last
+  status.probe.lastProbeTime after an operator restart), so a thousand ServedModels never fire
+  together.
+- Concurrency: at most `OperatorConfig.probe_concurrency` cycles run at once; a due model waits for a
+  slot, earliest due first.
+- Backoff: a model whose cycles fail is probed less often (probe/schedule.next_delay, capped at four
+  intervals); its backoff is its own and delays no other model.
+- One status write per cycle at most (server-side apply of status.probe and the probe's conditions with
+  the probe's field manager), none when nothing changed (probing off, engine not ready, the same
+  outcome as already written), and none after the object got a deletionTimestamp or went away.
+- When a write changes the Serving condition, the ServedModel is enqueued in the controller's work queue
+  so the reconciler's phase and Degraded follow at once (the probe never writes the phase).
+- `stop()` cancels every in-flight cycle and waits for it: nothing is left running or half-written.
+
+Reads (the ServedModel, its pods) come from the watch-fed cache when one is given and feeds that kind,
+else from the API server; Secrets (the engine's API key, a Prometheus token) always from the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import heapq
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final, Protocol
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import ValidationError
+
+from .api import API_GROUP_VERSION, PLURAL
+from .api.names import service_name
+from .api.probe import ProbeSpec, ProbeStatus
+from .api.spec import ServedModelSpec
+from .config import OperatorConfig
+from .k8s import ApiError, NotFoundError
+from .probe import errors as er
+from .probe.client import MetricsReader, PodMetrics, ProbeOutcome, http_timeout, run_probe
+from .probe.endpoints import ProbeTarget, parse_override, resolve_external, resolve_managed, resolve_override
+from .probe.errors import ProbeFailure
+from .probe.prometheus import PrometheusMetrics
+from .probe.report import build_status, parse_rfc3339, probe_conditions
+from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace, name)
+
+SERVED_MODEL_KIND: Final = "ServedModel"
+INVALID_SPEC_WAIT_S: Final = 30.0
+IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from the cache, stop requests)
+
+
+class KubeApi(Protocol):
+    """What the scheduler asks of servedmodel.k8s's client."""
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Obj | None: ...
+
+    async def list(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        page_size: int = 500,
+    ) -> list[Obj]: ...
+
+    async def apply_status(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        status: Obj,
+        field_manager: str,
+        *,
+        force: bool = True,
+    ) -> Obj: ...
+
+
+class CacheReads(Protocol):
+    """The watch-fed cache's read API (servedmodel.k8s.cache), the part the scheduler uses."""
+
+    def tracks(self, kind: str) -> bool: ...
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+
+    def keys(self, kind: str = ...) -> list[Key]: ...
+
+
+Enqueue = Callable[[str, str], object]
+
+
+class _KeyRef(Protocol):
+    """A Secret key reference (spec.engine.apiKeySecretRef, a Prometheus bearer token's)."""
+
+    name: str
+    key: str  # the controller's enqueue(namespace, name)
+
+
+class ProbeMetrics:
+    """The probe's operator metrics, on the registry the operator serves (no module globals)."""
+
+    _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["namespace", "name"]
+        self.ttft = Histogram(
+            "servedmodel_probe_ttft_seconds",
+            "Probe TTFT (request sent -> first content token), seconds.",
+            labels,
+            buckets=self._LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "servedmodel_probe_tpot_seconds",
+            "Probe TPOT, vLLM's definition ((e2e - TTFT)/(completion tokens - 1)), seconds.",
+            labels,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "servedmodel_probe_e2e_seconds",
+            "Probe end to end (request sent -> [DONE]), seconds.",
+            labels,
+            buckets=self._LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.serving = Gauge(
+            "servedmodel_probe_serving", "1 when the last probe succeeded, else 0.", labels, registry=registry
+        )
+        self.failures = Counter(
+            "servedmodel_probe_failures", "Failed probes by reason.", [*labels, "reason"], registry=registry
+        )
+        self.cycles = Counter(
+            "servedmodel_probe", "Probe cycles run, by result.", [*labels, "result"], registry=registry
+        )
+        self.status_writes = Counter(
+            "servedmodel_probe_status_writes",
+            "Status writes of the probe (at most one per cycle).",
+            labels,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "servedmodel_probe_cycles_in_flight",
+            "Probe cycles running now (bounded by the scheduler's concurrency).",
+            registry=registry,
+        )
+        self.scheduled = Gauge(
+            "servedmodel_probe_scheduled_models",
+            "ServedModels the probe scheduler tracks.",
+            registry=registry,
+        )
+        self.lateness = Histogram(
+            "servedmodel_probe_start_lateness_seconds",
+            "How long a due probe cycle waited for a concurrency slot, seconds.",
+            buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=registry,
+        )
+
+    def record(self, namespace: str, name: str, out: ProbeOutcome) -> None:
+        self.cycles.labels(namespace, name, "success" if out.ok else "failure").inc()
+        self.serving.labels(namespace, name).set(1 if out.ok else 0)
+        if out.failure is not None:
+            self.failures.labels(namespace, name, out.failure.reason).inc()
+            return
+        f = out.figures
+        if f is not None:
+            if f.ttft_ms is not None:
+                self.ttft.labels(namespace, name).observe(f.ttft_ms / 1000)
+            if f.tpot_ms is not None:
+                self.tpot.labels(namespace, name).observe(f.tpot_ms / 1000)
+            if f.e2e_ms is not None:
+                self.e2e.labels(namespace, name).observe(f.e2e_ms / 1000)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted ServedModel's series so dashboards do not show ghosts."""
+        for metric in (self.ttft, self.tpot, self.e2e, self.serving, self.status_writes):
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, name)
+        for result in ("success", "failure"):
+            with contextlib.suppress(KeyError):
+                self.cycles.remove(namespace, name, result)
+        for reason in er.ALL_FAILURE_REASONS:
+            with contextlib.suppress(KeyError):
+                self.failures.remove(namespace, name, reason)
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------
+
+
+def engine_ready(spec: ServedModelSpec, status: Mapping[str, Any]) -> bool:
+    """Probe once the reconciler saw a ready engine (or always, in external mode). Degraded with a ready
+    replica still probes: the probe is how Degraded-by-probe recovers."""
+    if spec.external:
+        return True
+    return status.get("phase") == "Ready" or (status.get("readyReplicas") or 0) >= 1
+
+
+def previous_probe_status(
+    body_status: Mapping[str, Any], last_written: ProbeStatus | None
+) -> ProbeStatus | None:
+    """The status.probe to continue from: the object's, or what this scheduler wrote last when the watch
+    has not delivered that write yet (the newer lastProbeTime wins)."""
+    previous = None
+    if isinstance(body_status.get("probe"), dict):
+        try:
+            previous = ProbeStatus.model_validate(body_status["probe"])
+        except ValidationError:
+            previous = None  # an older schema: start the window afresh
+    if last_written is not None and (
+        previous is None or (previous.last_probe_time or "") < (last_written.last_probe_time or "")
+    ):
+        previous = last_written
+    return previous
+
+
+def status_patch(
+    out: ProbeOutcome,
+    probe: ProbeSpec,
+    body_status: Mapping[str, Any],
+    generation: int | None,
+    last_written: ProbeStatus | None = None,
+) -> tuple[ProbeStatus, dict[str, Any]]:
+    """The probe's whole share of status: status.probe and its conditions (SSA removes what we omit)."""
+    previous = previous_probe_status(body_status, last_written)
+    new = build_status(out, probe, previous)
+    conds = probe_conditions(
+        new, probe, body_status.get("conditions") or [], generation, out.ended or datetime.now(UTC)
+    )
+    return new, {
+        "probe": new.model_dump(by_alias=True, exclude_none=True),
+        "conditions": [c.model_dump(by_alias=True, exclude_none=True) for c in conds],
+    }
+
+
+def serving_of(conditions: Any) -> tuple[str, str] | None:
+    """(status, reason) of a Serving condition in a conditions list."""
+    for c in conditions or []:
+        if isinstance(c, Mapping) and c.get("type") == "Serving":
+            return str(c.get("status")), str(c.get("reason"))
+    return None
+
+
+def first_due(
+    now: float, interval: float, last_probe_time: str | None, wall_now: datetime, rng: random.Random
+) -> float:
+    """When a newly tracked model's first cycle runs (monotonic seconds).
+
+    With a lastProbeTime (an operator restart), one interval after it, so the spread the models had
+    is kept; when that is already past, or the model was never probed, at a random point of the next
+    interval (a model that just became ready: within the first 10 % of it)."""
+    last = parse_rfc3339(last_probe_time)
+    if last is not None:
+        since = (wall_now - last).total_seconds()
+        ahead = interval - since
+        if 0 <= ahead <= interval:
+            return now + ahead
+        return now + rng.uniform(0, interval)
+    return now + rng.uniform(0, interval * JITTER)
+
+
+# ---- the scheduler -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    """One tracked ServedModel: when it runs next and what this scheduler last wrote for it."""
+
+    key: Key
+    body: Obj | None = None  # the last body seen (events, cache, or the write's answer)
+    due: float = 0.0
+    placed: bool = False  # its first due time has been chosen
+    task: asyncio.Task[None] | None = None
+    last_patch: dict[str, Any] | None = None
+    last_status: ProbeStatus | None = None
+    cycles: int = 0
+    removed: bool = False
+
+
+@dataclass
+class CycleResult:
+    """What one cycle did (tests and the log read it)."""
+
+    probed: bool
+    written: bool = False
+    outcome: ProbeOutcome | None = None
+    status: ProbeStatus | None = None
+    serving_changed: bool = False
+    next_delay_s: float = 0.0
+    skipped: str = ""  # why nothing was probed: disabled, not-ready, invalid-spec, gone, deleting
+
+
+@dataclass
+class ProbeScheduler:
+    """Probes every tracked ServedModel on its own jittered schedule; see the module docstring.
+
+    Feed it with `track(body)` / `forget(namespace, name)` (the kopf event glue), or give it the cache:
+    every tick it tracks the cache's ServedModel keys and forgets the ones gone from it.
+    """
+
+    kube: KubeApi
+    config: OperatorConfig
+    metrics: ProbeMetrics = field(default_factory=lambda: ProbeMetrics(CollectorRegistry()))
+    cache: CacheReads | None = None
+    enqueue: Enqueue | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic
+    _models: dict[Key, _Model] = field(default_factory=dict, init=False)
+    _heap: list[tuple[float, int, Key]] = field(default_factory=list, init=False)
+    _seq: int = field(default=0, init=False)
+    _wake: asyncio.Event | None = field(default=None, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _transport: httpx.AsyncHTTPTransport | None = field(default=None, init=False)
+    _slots: asyncio.Semaphore | None = field(default=None, init=False)
+
+    # ---- feeding -------------------------------------------------------------------------------
+
+    def track(self, body: Mapping[str, Any]) -> None:
+        """A ServedModel exists (or changed): keep its newest body; a deletionTimestamp forgets it."""
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace") or "default"), str(meta.get("name")))
+        if meta.get("deletionTimestamp"):
+            self.forget(*key)
+            return
+        model = self._models.get(key)
+        if model is None:
+            model = self._models[key] = _Model(key)
+            self.metrics.scheduled.set(len(self._models))
+        model.body = dict(body)
+        if not model.placed and self._wake is not None:
+            self._wake.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The ServedModel is gone (or going): cancel its cycle, write nothing more, drop its series."""
+        model = self._models.pop((namespace, name), None)
+        if model is None:
+            return
+        model.removed = True
+        if model.task is not None and not model.task.done():
+            model.task.cancel()
+        self.metrics.forget(namespace, name)
+        self.metrics.scheduled.set(len(self._models))
+
+    def tracked(self) -> list[Key]:
+        return sorted(self._models)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the scheduling loop (idempotent)."""
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(max(1, self.config.probe_concurrency))
+        self._pool()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="probe-scheduler")
+
+    async def stop(self) -> None:
+        """Cancel the loop and every in-flight cycle, wait for them, close the HTTP client."""
+        task, self._task = self._task, None
+        cycles = [m.task for m in self._models.values() if m.task is not None and not m.task.done()]
+        for t in [*([task] if task else []), *cycles]:
+            t.cancel()
+        await asyncio.gather(*([task] if task else []), *cycles, return_exceptions=True)
+        if self._transport is not None:
+            await self._transport.aclose()
+            self._transport = None
+
+    def _pool(self) -> httpx.AsyncHTTPTransport:
+        if self._transport is None:
+            self._transport = httpx.AsyncHTTPTransport(trust_env=False)
+        return self._transport
+
+    def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
+        """A client with this model's limits over the scheduler's one connection pool."""
+        return httpx.AsyncClient(transport=_Shared(self._pool()), timeout=http_timeout(spec), trust_env=False)
+
+    async def __aenter__(self) -> ProbeScheduler:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _push(self, model: _Model, due: float) -> None:
+        model.due = due
+        self._seq += 1
+        heapq.heappush(self._heap, (due, self._seq, model.key))
+
+    def _sync_from_cache(self) -> None:
+        cache = self.cache
+        if cache is None or not cache.tracks(SERVED_MODEL_KIND):
+            return
+        keys = set(cache.keys(SERVED_MODEL_KIND))
+        for key in keys - set(self._models):
+            body = cache.get(SERVED_MODEL_KIND, *key)
+            if body is not None:
+                self.track(body)
+        for key in set(self._models) - keys:
+            self.forget(*key)
+
+    def _place_new(self) -> None:
+        now, wall = self.clock(), datetime.now(UTC)
+        for model in self._models.values():
+            if model.placed:
+                continue
+            model.placed = True
+            status = (model.body or {}).get("status") or {}
+            interval = float(((model.body or {}).get("spec") or {}).get("probe", {}).get("interval") or 60)
+            last = (status.get("probe") or {}).get("lastProbeTime")
+            self._push(model, first_due(now, interval, last, wall, self.rng))
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        assert self._slots is not None
+        while True:
+            self._sync_from_cache()
+            self._place_new()
+            now = self.clock()
+            # Start every due model a slot is free for; stale heap entries (re-pushed, forgotten) are skipped.
+            while self._heap and self._heap[0][0] <= now:
+                due, _, key = self._heap[0]
+                model = self._models.get(key)
+                if model is None or model.due != due or (model.task is not None and not model.task.done()):
+                    heapq.heappop(self._heap)
+                    continue
+                if self._slots.locked():
+                    break
+                heapq.heappop(self._heap)
+                await self._slots.acquire()
+                self.metrics.lateness.observe(max(0.0, now - due))
+                model.task = asyncio.get_running_loop().create_task(
+                    self._cycle_task(model), name=f"probe {key[0]}/{key[1]}"
+                )
+            timeout = IDLE_TICK_S
+            if self._heap and not self._slots.locked():
+                timeout = min(timeout, max(0.0, self._heap[0][0] - self.clock()))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+
+    async def _cycle_task(self, model: _Model) -> None:
+        assert self._slots is not None
+        assert self._wake is not None
+        self.metrics.in_flight.inc()
+        delay = NOT_READY_WAIT_S
+        try:
+            result = await self.run_cycle(model.key)
+            delay = result.next_delay_s
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not stop the scheduler: log it, retry after an interval
+            log.exception("probe cycle of %s/%s failed", *model.key)
+            delay = INVALID_SPEC_WAIT_S
+        finally:
+            self.metrics.in_flight.dec()
+            self._slots.release()
+            self._wake.set()
+        if not model.removed and self._models.get(model.key) is model:
+            self._push(model, self.clock() + delay)
+
+    # ---- one cycle -----------------------------------------------------------------------------
+
+    async def _body(self, model: _Model) -> Obj | None:
+        """The ServedModel as it is now: from the cache when it feeds ServedModels, else the API."""
+        namespace, name = model.key
+        if self.cache is not None and self.cache.tracks(SERVED_MODEL_KIND):
+            return self.cache.get(SERVED_MODEL_KIND, namespace, name)
+        if model.body is not None:
+            return model.body
+        return await self.kube.get(API_GROUP_VERSION, PLURAL, namespace, name)
+
+    async def run_cycle(self, key: Key) -> CycleResult:
+        """One probe cycle of one tracked ServedModel (the loop calls it; tests may too)."""
+        model = self._models.get(key)
+        if model is None:
+            return CycleResult(False, skipped="gone")
+        namespace, name = key
+        body = await self._body(model)
+        if body is None:
+            self.forget(namespace, name)
+            return CycleResult(False, skipped="gone")
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return CycleResult(False, skipped="deleting")
+        try:
+            spec = ServedModelSpec.model_validate(body.get("spec") or {})
+        except ValidationError:
+            return CycleResult(False, skipped="invalid-spec", next_delay_s=INVALID_SPEC_WAIT_S)
+        probe = spec.probe
+        status = dict(body.get("status") or {})
+        if not probe.enabled:
+            return CycleResult(False, skipped="disabled", next_delay_s=float(probe.interval))
+        if not engine_ready(spec, status):
+            return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
+        out = await self.probe_once(namespace, name, spec)
+        model.cycles += 1
+        self.metrics.record(namespace, name, out)
+        generation = (body.get("metadata") or {}).get("generation")
+        new, patch = status_patch(out, probe, status, generation, model.last_status)
+        log.info(
+            "probe %s/%s %s: %s",
+            namespace,
+            name,
+            new.result,
+            new.message if new.result == "Success" else f"{new.reason}: {new.message}",
+        )
+        result = CycleResult(
+            True,
+            outcome=out,
+            status=new,
+            next_delay_s=next_delay(probe.interval, new.consecutive_failures, self.rng),
+        )
+        if patch == model.last_patch:
+            return result
+        before = serving_of(status.get("conditions"))
+        if model.last_patch is not None:
+            before = serving_of(model.last_patch.get("conditions")) or before
+        after = serving_of(patch["conditions"])
+        if model.removed:
+            return result  # forgotten (deleted) while the probe ran: write nothing
+        try:
+            written = await self.kube.apply_status(
+                API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+            )
+        except NotFoundError:
+            self.forget(namespace, name)
+            return result
+        except ApiError as exc:
+            log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
+            return result
+        model.last_patch, model.last_status = patch, new
+        if isinstance(written, dict) and written.get("metadata"):
+            model.body = written
+        self.metrics.status_writes.labels(namespace, name).inc()
+        result.written = True
+        if before != after:
+            result.serving_changed = True
+            if self.enqueue is not None:
+                self.enqueue(namespace, name)
+        return result
+
+    async def _secret_value(self, namespace: str, ref: _KeyRef) -> str:
+        """A Secret key's value; the message of the failure never contains the value."""
+        try:
+            secret = await self.kube.get("v1", "secrets", namespace, ref.name)
+        except ApiError as exc:
+            raise ProbeFailure(
+                er.SECRET_UNAVAILABLE, f"Secret {ref.name}: {exc.status} {exc.reason}"
+            ) from None
+        data = (secret or {}).get("data") or {}
+        if ref.key not in data:
+            raise ProbeFailure(er.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
+        return base64.b64decode(data[ref.key]).decode("utf-8").strip()
+
+    async def _target(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeTarget:
+        override = parse_override(self.config.endpoint_override, namespace, name)
+        if override is not None:
+            return resolve_override(override)
+        if spec.endpoint is not None:
+            return resolve_external(spec.endpoint)
+        svc_name = service_name(name)
+        try:
+            service = await self.kube.get("v1", "services", namespace, svc_name)
+            slices = await self.kube.list(
+                "discovery.k8s.io/v1",
+                "endpointslices",
+                namespace,
+                label_selector=f"kubernetes.io/service-name={svc_name}",
+            )
+        except ApiError as exc:
+            raise ProbeFailure(
+                er.NO_READY_ENDPOINTS, f"reading Service {svc_name}: {exc.status} {exc.reason}"
+            ) from None
+        if service is None:
+            raise ProbeFailure(er.NO_READY_ENDPOINTS, f"Service {svc_name} does not exist")
+        target = resolve_managed(service, slices)
+        if not target.metrics_urls:
+            raise ProbeFailure(er.NO_READY_ENDPOINTS, f"Service {svc_name} has no ready engine pod")
+        return target
+
+    async def _metrics_reader(
+        self, http: httpx.AsyncClient, namespace: str, spec: ServedModelSpec, target: ProbeTarget
+    ) -> MetricsReader:
+        src = spec.probe.metrics_source
+        model = spec.resolved_served_model_name
+        if src.type == "prometheus" and src.prometheus is not None:
+            prom = src.prometheus
+            token = None
+            if prom.bearer_token_secret_ref is not None:
+                token = await self._secret_value(namespace, prom.bearer_token_secret_ref)
+            return PrometheusMetrics(
+                prom.url,
+                model=model,
+                namespace=namespace,
+                bearer_token=token,
+                insecure_skip_verify=prom.insecure_skip_verify,
+                settle_timeout_s=spec.probe.timeout,
+            )
+        return PodMetrics(http, target.metrics_urls, model)
+
+    async def probe_once(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeOutcome:
+        """One cycle's measurements; resolution and secret failures are outcomes too."""
+        async with self._client(spec.probe) as http:
+            try:
+                target = await self._target(namespace, name, spec)
+                api_key = None
+                if spec.engine.api_key_secret_ref is not None:
+                    api_key = await self._secret_value(namespace, spec.engine.api_key_secret_ref)
+                metrics = await self._metrics_reader(http, namespace, spec, target)
+            except ProbeFailure as f:
+                now = datetime.now(UTC)
+                return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
+            try:
+                return await run_probe(
+                    http,
+                    target,
+                    spec.probe,
+                    model=spec.resolved_served_model_name,
+                    api_key=api_key,
+                    metrics=metrics,
+                )
+            finally:
+                if isinstance(metrics, PrometheusMetrics):
+                    metrics.close()
+
+
+class _Shared(httpx.AsyncBaseTransport):
+    """The scheduler's connection pool, shared by every cycle's client and closed only by the scheduler."""
+
+    def __init__(self, pool: httpx.AsyncHTTPTransport) -> None:
+        self._pool = pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        return None
