@@ -20,7 +20,13 @@ PLAIN = RenderContext()
 OPENSHIFT = RenderContext(has_route_api=True, has_service_monitor_api=True)
 
 
+# Cases named keda* render as if keda.sh (KEDA, OpenShift's Custom Metrics Autoscaler) were discovered too.
+KEDA = RenderContext(has_route_api=True, has_service_monitor_api=True, has_keda_api=True)
+
+
 def _context(case: Path) -> RenderContext:
+    if case.stem.startswith("keda"):
+        return KEDA
     return OPENSHIFT if case.stem.startswith("openshift") else PLAIN
 
 
@@ -37,6 +43,7 @@ def _golden(case: Path) -> str:
 def test_cases_cover_the_table() -> None:
     stems = {c.stem for c in CASES}
     assert {"qwen-7b-1gpu", "qwen-tp2", "cache-pvc", "external-endpoint", "simulator", "openshift"} <= stems
+    assert {"autoscaling-hpa", "keda-openshift"} <= stems
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.stem for c in CASES])

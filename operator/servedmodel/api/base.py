@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 API_GROUP = "inference.servedmodel.io"
 API_VERSION = "v1alpha1"
@@ -12,6 +12,14 @@ KIND = "ServedModel"
 PLURAL = "servedmodels"
 SINGULAR = "servedmodel"
 SHORT_NAMES = ["sm"]
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
+    """One x-kubernetes-validations entry; fieldPath makes the API server name the offending field."""
+    out: dict[str, JsonValue] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
 
 
 def to_camel(name: str) -> str:

@@ -13,13 +13,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    JsonValue,
     StringConstraints,
     WithJsonSchema,
     model_validator,
 )
 
-from .base import ApiModel
+from .autoscaling import ServedModelAutoscaling
+from .base import ApiModel, cel
 from .probe import ProbeSpec
 
 # Kubernetes' resource.Quantity pattern (as controller-gen writes it).
@@ -46,14 +46,6 @@ OPERATOR_FLAGS = ("--port", "--host", "--api-key")
 EngineKind = Literal["vllm", "simulator"]
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
-    """One x-kubernetes-validations entry; fieldPath makes the API server name the offending field."""
-    out: dict[str, JsonValue] = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
 
 
 def _number_to_str(value: object) -> object:
@@ -408,6 +400,7 @@ DEPLOYMENT_FIELDS = (
     "runtimeClassName",
     "expose",
     "monitoring",
+    "autoscaling",
 )
 ENGINE_DEPLOYMENT_FIELDS = (
     "image",
@@ -470,6 +463,15 @@ class ServedModelSpec(ApiModel):
                     ".endpoint",
                 ),
                 cel(
+                    # A transition rule (oldSelf): runs on updates only, so also on the scale subresource.
+                    "!has(self.autoscaling) || !has(oldSelf.autoscaling) || "
+                    "self.replicas == oldSelf.replicas",
+                    "spec.replicas belongs to the autoscaler while spec.autoscaling is set (kubectl scale sm "
+                    "has no effect): change spec.autoscaling.minReplicas/maxReplicas, or remove "
+                    "spec.autoscaling to scale by hand",
+                    ".replicas",
+                ),
+                cel(
                     "!has(self.revision) || !self.model.startsWith('pvc://')",
                     "revision applies to Hugging Face models, not pvc:// models",
                     ".revision",
@@ -517,7 +519,17 @@ class ServedModelSpec(ApiModel):
         default=1,
         ge=0,
         le=1024,
-        description="Engine replicas (the scale subresource: kubectl scale sm NAME).",
+        description=(
+            "Engine replicas (the scale subresource: kubectl scale sm NAME). Ignored, and frozen, while "
+            "spec.autoscaling is set: the autoscaler owns the Deployment's replicas then."
+        ),
+    )
+    autoscaling: ServedModelAutoscaling | None = Field(
+        default=None,
+        description=(
+            "Scale replicas on vLLM's queue, batch and KV cache, or the probe's TTFT p95, through KEDA "
+            "(when keda.sh exists) or a HorizontalPodAutoscaler (prometheus-adapter's custom metrics)."
+        ),
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="GPUs, CPU and memory per replica."

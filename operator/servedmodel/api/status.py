@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .autoscaling import AutoscalingStatus
 from .base import ApiModel, Condition
 from .probe import ProbeStatus
 
@@ -63,3 +64,6 @@ class ServedModelStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     probe: ProbeStatus | None = Field(default=None, description="What the request-path probe measured.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="What the autoscaler (HPA, or KEDA's) did, while spec.autoscaling is set."
+    )

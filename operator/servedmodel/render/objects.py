@@ -7,6 +7,7 @@ Children (all owned by the ServedModel, controller=true):
   Service               `<name>-engine`  never `vllm` (see api/names.py)
   Route                 `<name>`         edge TLS, only when route.openshift.io exists and expose.route
   ServiceMonitor        `<name>`         only when monitoring.coreos.com exists and monitoring.serviceMonitor
+  HPA / ScaledObject    `<name>`         with spec.autoscaling (render/autoscaling.py; KEDA when discovered)
 External mode (spec.endpoint) renders nothing.
 """
 
@@ -22,6 +23,7 @@ from servedmodel.api.crd import dump_yaml
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
+from .autoscaling import autoscaler_objects
 from .errors import RenderError
 
 Obj = dict[str, Any]
@@ -45,6 +47,8 @@ class RenderContext:
     simulator_image: str = SIMULATOR_IMAGE
     has_route_api: bool = False
     has_service_monitor_api: bool = False
+    # keda.sh/v1alpha1 exists: spec.autoscaling renders a ScaledObject instead of an HPA.
+    has_keda_api: bool = False
     # A digest of the chat template ConfigMap's content (the reconciler reads it); when it changes the
     # pod template changes, so a new template rolls the pods instead of waiting for a restart.
     chat_template_digest: str | None = None
@@ -56,6 +60,7 @@ class RenderContext:
         *,
         has_route_api: bool = False,
         has_service_monitor_api: bool = False,
+        has_keda_api: bool = False,
         chat_template_digest: str | None = None,
     ) -> RenderContext:
         return cls(
@@ -63,6 +68,7 @@ class RenderContext:
             simulator_image=config.simulator_image,
             has_route_api=has_route_api,
             has_service_monitor_api=has_service_monitor_api,
+            has_keda_api=has_keda_api,
             chat_template_digest=chat_template_digest,
         )
 
@@ -268,12 +274,15 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         pod_spec["priorityClassName"] = spec.priority_class_name
     if spec.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.runtime_class_name
+    # With spec.autoscaling the autoscaler owns replicas: leaving the field out of the apply is what
+    # stops the operator fighting it (the reconciler hands the field over first, see reconcile.py).
+    replicas: Obj = {} if spec.autoscaling is not None else {"replicas": spec.replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(cr, n.deployment_name(cr.name)),
         "spec": {
-            "replicas": spec.replicas,
+            **replicas,
             "selector": {"matchLabels": n.selector_labels(cr.name)},
             # A new pod must not wait for GPUs the old one holds: replace, don't surge.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
@@ -374,6 +383,7 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
         objects.append(route(cr))
     if ctx.has_service_monitor_api and cr.spec.monitoring.service_monitor:
         objects.append(service_monitor(cr))
+    objects += autoscaler_objects(cr, has_keda_api=ctx.has_keda_api)
     return objects
 
 
