@@ -24,11 +24,13 @@ from typing import Any, Final
 
 import pydantic
 
+from . import scaling
 from . import status as st
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, KubeClient
 from .render import RenderContext, RenderError, render
+from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ CHILD_KINDS: Final = (
     ("v1", "persistentvolumeclaims", "PersistentVolumeClaim"),
     (ROUTE_API, "routes", "Route"),
     (MONITORING_API, "servicemonitors", "ServiceMonitor"),
+    (HPA_API, "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
+    (KEDA_API, "scaledobjects", "ScaledObject"),
+    (KEDA_API, "triggerauthentications", "TriggerAuthentication"),
 )
 
 
@@ -135,6 +140,39 @@ async def prune(
     return pruned
 
 
+async def hand_over_replicas(client: KubeClient, namespace: str, name: str, field_manager: str) -> None:
+    """Before an apply without spec.replicas: keep the live value owned (see servedmodel.scaling), so
+    server-side apply does not reset the Deployment to 1 replica under the autoscaler."""
+    live = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+    if live is not None and scaling.needs_handover(live, field_manager):
+        await client.apply(scaling.handover_object(live), scaling.HANDOVER_MANAGER, force=True)
+
+
+async def observe_autoscaler(
+    client: KubeClient,
+    cr: ServedModel,
+    observed: st.Observed,
+    previous: Mapping[str, Any] | None,
+    *,
+    keda: bool,
+) -> dict[str, Any] | None:
+    """status.autoscaling from the HPA that scales the Deployment (ours, or the one KEDA makes)."""
+    if cr.spec.autoscaling is None:
+        return None
+    namespace = cr.metadata.namespace or "default"
+    hpa = keda_hpa_name(cr.name) if keda else hpa_name(cr.name)
+    found = await client.get(HPA_API, "horizontalpodautoscalers", namespace, hpa)
+    before = (previous or {}).get("autoscaling")
+    return scaling.autoscaling_status(
+        cr.spec,
+        autoscaler="KEDA" if keda else "HorizontalPodAutoscaler",
+        hpa_name=hpa,
+        hpa=found,
+        deployment=observed.deployment,
+        previous=before if isinstance(before, Mapping) else None,
+    )
+
+
 async def write_status(
     client: KubeClient, config: OperatorConfig, body: Mapping[str, Any], desired: dict[str, Any]
 ) -> bool:
@@ -183,10 +221,14 @@ async def reconcile(
         optional = {
             ROUTE_API: await client.discover(ROUTE_API),
             MONITORING_API: await client.discover(MONITORING_API),
+            KEDA_API: await client.discover(KEDA_API),
         }
     if cr is not None and not cr.spec.external:
         ctx = RenderContext.from_config(
-            config, has_route_api=optional[ROUTE_API], has_service_monitor_api=optional[MONITORING_API]
+            config,
+            has_route_api=optional[ROUTE_API],
+            has_service_monitor_api=optional[MONITORING_API],
+            has_keda_api=optional[KEDA_API],
         )
         try:
             objects = render(cr, ctx)
@@ -210,6 +252,8 @@ async def reconcile(
         for obj in objects:
             ref = f"{obj['kind']}/{obj['metadata']['name']}"
             try:
+                if obj["kind"] == "Deployment" and cr.spec.autoscaling is not None:
+                    await hand_over_replicas(client, namespace, name, config.field_manager)
                 await client.apply(obj, config.field_manager, force=True)
                 applied.append(ref)
             except ApiError as e:
@@ -239,7 +283,10 @@ async def reconcile(
         if apply_error is not None:
             mode = st.ApplyFailed(observed, served_model_name, *apply_error)
         else:
-            mode = st.Managed(observed, served_model_name, serving)
+            autoscaling = await observe_autoscaler(
+                client, cr, observed, previous, keda=optional.get(KEDA_API, False)
+            )
+            mode = st.Managed(observed, served_model_name, serving, autoscaling)
     desired = st.compute_status(subject, mode)
     written = await write_status(client, config, body, desired)
     return Outcome(

@@ -47,6 +47,7 @@ RECONCILER_FIELDS: Final = (
     "routeUrl",
     "servedModelName",
     "selector",
+    "autoscaling",
 )
 
 # Container waiting reasons that are failures (not the normal ContainerCreating/PodInitializing), most
@@ -352,6 +353,8 @@ class Managed:
     observed: Observed
     served_model_name: str
     serving: Obj | None = None
+    # status.autoscaling as servedmodel.scaling computed it from the HPA (spec.autoscaling set), else None.
+    autoscaling: Obj | None = None
 
 
 @dataclass(frozen=True)
@@ -438,6 +441,13 @@ def compute_status(subject: Subject, mode: Mode) -> dict[str, Any]:
             status.update(_replica_fields(subject.name, mode.observed))
             if isinstance(mode, Managed):
                 phase = _degraded_by_probe(phase, conds, mode.serving)
+                if mode.autoscaling is not None:
+                    status["autoscaling"] = dict(mode.autoscaling)
+                    if conds.ready.reason == "ScaledToZero" and mode.autoscaling.get("message"):
+                        # The autoscaler's words (KEDA's idle scale to zero), not "spec.replicas is 0".
+                        msg = str(mode.autoscaling["message"])
+                        conds.ready = Verdict("False", "ScaledToZero", msg)
+                        conds.progressing = Verdict("False", "ScaledToZero", msg)
             else:
                 conds.degraded = Verdict("True", mode.reason, mode.message)
                 if phase != "Failed":
