@@ -55,6 +55,17 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # Shutdown order: the clients first, storage last.
 STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 REQUEST_TIMEOUT_S = 5.0
+# The HPA controller's sync period (upstream: 15s), short so an autoscaling test sees several decisions
+# in a minute; it only matters where an HPA exists. SERVEDMODEL_CONTROLLER_MANAGER_FLAGS adds more.
+HPA_SYNC_PERIOD = "2s"
+# The aggregation layer's front proxy (kube-apiserver → aggregated API servers such as
+# prometheus-adapter's custom.metrics.k8s.io): the client name its certificate carries.
+FRONT_PROXY_CLIENT = "front-proxy-client"
+# Room for the scale benchmark (3,000 ServedModels: a Service and a Pod each, and some to spare): a /16
+# service range (65,534 ClusterIPs; the default /24 ran out at 253 Services) and a node that admits
+# that many pods (simulator-engine pods request no GPU, so pods are what limits them).
+SERVICE_CIDR = "10.0.0.0/16"
+NODE_PODS = 5000
 
 
 class ControlPlaneError(RuntimeError):
@@ -340,6 +351,16 @@ def _make_pki(pki: Path) -> None:
         "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", "sa.key", cwd=pki
     )
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    # The aggregation layer: a separate CA for the front proxy, as kubeadm makes, so an aggregated API
+    # server trusts request headers (X-Remote-User) only from the kube-apiserver's proxy client.
+    _openssl("req", "-x509", *ec, "-keyout", "front-proxy-ca.key", "-out", "front-proxy-ca.crt",
+             "-days", "3650", "-subj", "/CN=servedmodel-front-proxy-ca", cwd=pki)  # fmt: skip
+    _openssl("req", *ec, "-keyout", "front-proxy-client.key", "-out", "front-proxy-client.csr",
+             "-subj", f"/CN={FRONT_PROXY_CLIENT}", cwd=pki)  # fmt: skip
+    (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl("x509", "-req", "-in", "front-proxy-client.csr", "-CA", "front-proxy-ca.crt",
+             "-CAkey", "front-proxy-ca.key", "-CAcreateserial", "-out", "front-proxy-client.crt",
+             "-days", "3650", "-extfile", "client.ext", cwd=pki)  # fmt: skip
 
 
 def _kubeconfig(server: str, ca_file: Path, token: str) -> str:
@@ -358,12 +379,13 @@ def _kubeconfig(server: str, ca_file: Path, token: str) -> str:
     return json.dumps(config, indent=2)
 
 
-def gpu_node(name: str = GPU_NODE, gpus: int = 8) -> dict[str, Any]:
-    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration)."""
+def gpu_node(name: str = GPU_NODE, gpus: int = 8, pods: int = NODE_PODS) -> dict[str, Any]:
+    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration),
+    and room for `pods` pods (kwok runs none of them) instead of a kubelet's 110."""
     capacity = {
         "cpu": "32",
         "memory": "256Gi",
-        "pods": "110",
+        "pods": str(pods),
         "ephemeral-storage": "1Ti",
         GPU_RESOURCE: str(gpus),
     }
@@ -560,7 +582,7 @@ def _start_once(
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -568,6 +590,14 @@ def _start_once(
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--allow-privileged=true",
             "--endpoint-reconciler-type=none",
+            # The aggregation layer (APIServices such as prometheus-adapter's custom.metrics.k8s.io).
+            f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
             "--v=1",
             # Extra flags for experiments/debugging, e.g. "--v=4 --feature-gates=...".
             *os.environ.get("SERVEDMODEL_APISERVER_FLAGS", "").split(),
@@ -583,6 +613,8 @@ def _start_once(
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
             "--bind-address=127.0.0.1", "--secure-port=0",
             "--use-service-account-credentials=false", "--v=1",
+            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD}",
+            *os.environ.get("SERVEDMODEL_CONTROLLER_MANAGER_FLAGS", "").split(),
         ])  # fmt: skip
         launcher.spawn("kube-scheduler", [
             f"--kubeconfig={kubeconfig}", "--leader-elect=false",

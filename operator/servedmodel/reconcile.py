@@ -14,10 +14,8 @@ No kopf here: handlers/ call `reconcile()` and turn its `Outcome` into Events, r
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -28,15 +26,18 @@ from . import scaling
 from . import status as st
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
-from .k8s import ApiError, KubeClient
+from .k8s import ApiError, Cache, KubeClient
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 
 log = logging.getLogger(__name__)
 
 ROUTE_API: Final = "route.openshift.io/v1"
-SETTLE_S: Final = 2.0
-SETTLE_POLL_S: Final = 0.1
+APPLY_FAILED: Final = "ApplyFailed"
+# What kopf's timers and daemons made it hold on every ServedModel before the control loop; removed
+# where found (with kopf's old bookkeeping annotations), so deletes never wait on the operator.
+LEGACY_FINALIZER: Final = "inference.servedmodel.io/finalizer"
+LEGACY_ANNOTATION_PREFIX: Final = "inference.servedmodel.io/"
 MONITORING_API: Final = "monitoring.coreos.com/v1"
 # (apiVersion, plural, kind) of every kind of child the operator may have made; optional APIs last.
 CHILD_KINDS: Final = (
@@ -62,6 +63,8 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     invalid_spec: str | None = None  # permanent: retrying cannot help until the spec changes
     apply_error: str | None = None  # temporary: retry later
+    apply_reason: str | None = None  # why the children were applied (None: they were not)
+    deferred: bool = False  # nothing written: the Deployment controller is behind (its event follows)
 
 
 def utc_now() -> str:
@@ -85,23 +88,78 @@ def parse(body: Mapping[str, Any]) -> ServedModel:
 
 
 async def observe(
-    client: KubeClient, name: str, namespace: str, *, with_route: bool, settle_s: float = SETTLE_S
+    client: KubeClient, cache: Cache, name: str, namespace: str, *, with_route: bool
 ) -> st.Observed:
-    """The engine Deployment, its Pods and the Route, as the API server has them now.
+    """The engine Deployment, its Pods and the Route: from the watch-fed cache (no request), from the
+    API server only for a kind no watch feeds (the Route on OpenShift).
 
-    A Deployment whose controller has not yet seen its newest generation (observedGeneration behind)
-    says nothing yet about that generation; it is read again for up to `settle_s` (a fraction of a
-    second, normally) so a change that does not roll anything (an annotation bumps a Deployment's
-    generation too) does not flap the status to Progressing and back.
+    Nothing is polled: a Deployment whose controller has not yet seen its newest generation is
+    reported as it is (see `deployment_lagging`), and its next status update is a watch event that
+    enqueues this ServedModel again.
     """
-    deployment = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
-    deadline = time.monotonic() + settle_s
-    while deployment is not None and _unobserved(deployment) and time.monotonic() < deadline:
-        await asyncio.sleep(SETTLE_POLL_S)
-        deployment = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
-    pods = await client.list("v1", "pods", namespace, label_selector=names.selector_string(name))
-    route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name)) if with_route else None
+    dep_name = names.deployment_name(name)
+    if cache.tracks("Deployment"):
+        deployment = cache.get("Deployment", namespace, dep_name)
+    else:
+        deployment = await client.get("apps/v1", "deployments", namespace, dep_name)
+    if cache.tracks("Pod"):
+        pods = cache.list("Pod", namespace, labels=names.selector_labels(name))
+    else:
+        pods = await client.list("v1", "pods", namespace, label_selector=names.selector_string(name))
+    route = None
+    if with_route:
+        route = cache.get("Route", namespace, names.route_name(name)) if cache.tracks("Route") else None
+        if route is None and not cache.tracks("Route"):
+            route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name))
     return st.Observed(deployment=deployment, pods=pods, route=route)
+
+
+def deployment_lagging(observed: st.Observed) -> bool:
+    """The Deployment controller has not yet observed the Deployment's newest generation: its status
+    describes the previous template (an annotation bumps the generation too, without a rollout)."""
+    return observed.deployment is not None and _unobserved(observed.deployment)
+
+
+def differs(desired: Any, actual: Any) -> bool:
+    """Does `actual` (a live object) lack something `desired` (what render makes) sets? Maps compare
+    key by key (the server adds defaults, which are not a difference), lists item by item, scalars by
+    value. A false "differs" costs one no-op apply; a missed one, a drift that stays."""
+    if isinstance(desired, Mapping):
+        if not isinstance(actual, Mapping):
+            return True
+        return any(differs(v, actual.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(actual, list) or len(actual) != len(desired):
+            return True
+        return any(differs(d, a) for d, a in zip(desired, actual, strict=True))
+    if isinstance(desired, bool) or isinstance(actual, bool):
+        return desired is not actual
+    if isinstance(desired, int | float) and isinstance(actual, int | float):
+        return float(desired) != float(actual)
+    return bool(desired != actual)
+
+
+def why_apply(body: Mapping[str, Any], objects: list[dict[str, Any]], cache: Cache) -> str | None:
+    """Why this pass must apply the children (None: they are as rendered), as controller-runtime
+    decides: a generation the status has not observed, the last apply failed, or a child missing or
+    changed in the cache (kinds no watch feeds are checked only with the generation)."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    if int(status.get("observedGeneration") or 0) != int(meta.get("generation") or 0):
+        return "new generation"
+    degraded = conditions.find(status.get("conditions"), "Degraded") or {}
+    if degraded.get("reason") == APPLY_FAILED:
+        return "the last apply failed"
+    namespace = str(meta.get("namespace") or "default")
+    for obj in objects:
+        kind, child = obj["kind"], obj["metadata"]["name"]
+        if not cache.tracks(kind):
+            continue
+        live = cache.get(kind, namespace, child)
+        if live is None:
+            return f"{kind}/{child} missing"
+        if differs(obj, live):
+            return f"{kind}/{child} changed"
+    return None
 
 
 def _unobserved(deployment: Mapping[str, Any]) -> bool:
@@ -120,19 +178,26 @@ async def prune(
     uid: str,
     keep: set[tuple[str, str]],
     optional: dict[str, bool],
+    cache: Cache | None = None,
 ) -> list[str]:
     """Delete this ServedModel's children (owner uid) whose (kind, name) is not in `keep`.
 
     Child names are fixed per ServedModel (api.names), so a kind that is still rendered has nothing
-    to prune: only the kinds missing from `keep` are listed (one request each).
+    to prune: only the kinds missing from `keep` are looked at, in the cache when a watch feeds that
+    kind, else listed (one request each).
     """
-    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={names.MANAGED_BY}"
+    labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": names.MANAGED_BY}
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
     kept_kinds = {kind for kind, _ in keep}
     pruned = []
     for api_version, plural, kind in CHILD_KINDS:
         if kind in kept_kinds or not optional.get(api_version, True):
             continue
-        for obj in await client.list(api_version, plural, namespace, label_selector=selector):
+        if cache is not None and cache.tracks(kind):
+            found = cache.list(kind, namespace, labels=labels)
+        else:
+            found = await client.list(api_version, plural, namespace, label_selector=selector)
+        for obj in found:
             child = (obj.get("metadata") or {}).get("name", "")
             if (kind, child) not in keep and _owned_by(obj, uid):
                 await client.delete(api_version, plural, namespace, child)
@@ -186,21 +251,52 @@ async def write_status(
     return True
 
 
+PostEvents = Callable[[Mapping[str, Any], list[st.Transition]], Awaitable[None]]
+
+
+async def finish(
+    client: KubeClient,
+    cache: Cache,
+    config: OperatorConfig,
+    body: Mapping[str, Any],
+    desired: dict[str, Any],
+    post_events: PostEvents | None,
+) -> tuple[bool, list[st.Transition]]:
+    """Write the status fragment if it changes something, posting its transitions' Events first: an
+    operator that dies between the two posts them again on the next pass instead of never. The
+    written object goes into the cache, so the next pass compares against it."""
+    if not st.status_changed(body.get("status"), desired):
+        return False, []
+    changes = st.transitions(body.get("status"), desired)
+    if post_events is not None and changes:
+        await post_events(body, changes)
+    meta = body["metadata"]
+    written = await client.apply_status(
+        API_GROUP_VERSION, PLURAL, meta.get("namespace"), meta["name"], desired, config.field_manager
+    )
+    cache.upsert("ServedModel", written)
+    return True, changes
+
+
 async def reconcile(
     client: KubeClient,
     body: Mapping[str, Any],
     config: OperatorConfig,
     *,
-    apply: bool = True,
+    cache: Cache | None = None,
+    apply: bool | None = None,
+    post_events: PostEvents | None = None,
     now: Callable[[], str] = utc_now,
 ) -> Outcome:
-    """One pass over a ServedModel `body` (as kopf or the API server gives it).
+    """One pass over a ServedModel `body` (from the cache, or as the API server gives it).
 
-    apply=False only observes and refreshes status (the periodic resync and child events);
-    apply=True also renders, applies and prunes the children (create, spec change, resume).
-    ApiError propagates when the API server cannot be reached or refuses a read; a refused child
-    apply becomes the ApplyFailed reason on Degraded and `Outcome.apply_error`.
+    apply=None decides from the body and the cache (`why_apply`); True/False force it. Reads come from
+    `cache` for every kind a watch feeds it (an empty cache: everything from the API server). Any
+    refused child apply (4xx, or a 5xx the client's retries did not get past) becomes Degraded with
+    reason ApplyFailed and the server's message, and `Outcome.apply_error` (the caller backs off and
+    retries). ApiError propagates only when the API server cannot be reached or refuses a read.
     """
+    cache = cache if cache is not None else Cache()
     meta = body["metadata"]
     name, namespace = str(meta["name"]), str(meta.get("namespace") or "default")
     generation = int(meta.get("generation") or 0)
@@ -237,33 +333,32 @@ async def reconcile(
 
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.
-        observed = await observe(client, name, namespace, with_route=False)
+        observed = await observe(client, cache, name, namespace, with_route=False)
         desired = st.compute_status(subject, st.InvalidSpec(invalid, observed))
-        written = await write_status(client, config, body, desired)
-        return Outcome(
-            desired, written, st.transitions(previous, desired) if written else [], invalid_spec=invalid
-        )
+        written, changes = await finish(client, cache, config, body, desired, post_events)
+        return Outcome(desired, written, changes, invalid_spec=invalid)
     assert cr is not None
 
     applied: list[str] = []
     pruned: list[str] = []
     apply_error: tuple[str, str] | None = None
-    if apply:
+    reason = why_apply(body, objects, cache) if apply is None else ("requested" if apply else None)
+    if reason is not None:
         for obj in objects:
             ref = f"{obj['kind']}/{obj['metadata']['name']}"
             try:
                 if obj["kind"] == "Deployment" and cr.spec.autoscaling is not None:
                     await hand_over_replicas(client, namespace, name, config.field_manager)
-                await client.apply(obj, config.field_manager, force=True)
+                cache.upsert(obj["kind"], await client.apply(obj, config.field_manager, force=True))
                 applied.append(ref)
             except ApiError as e:
-                if e.status == 0 or e.status >= 500:
-                    raise  # unreachable or overloaded: the caller retries the whole pass
-                log.warning("apply %s failed: %s", ref, e)
-                apply_error = apply_error or ("ApplyFailed", f"{ref}: {e.reason}: {e.message}")
+                if e.status == 0:
+                    raise  # unreachable: nothing can be written either; the caller backs off
+                log.warning("[%s/%s] apply %s failed: %s", namespace, name, ref, e)
+                apply_error = apply_error or (APPLY_FAILED, f"{ref}: {e.status} {e.reason}: {e.message}")
         if uid and apply_error is None:
             keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
-            pruned = await prune(client, name, namespace, uid, keep, optional)
+            pruned = await prune(client, name, namespace, uid, keep, optional, cache)
 
     # The probe's Serving condition (its field manager's): a Ready model whose chat requests fail is
     # Degraded. The probe's status write is a ServedModel event, so this pass follows it at once.
@@ -275,11 +370,12 @@ async def reconcile(
         mode = st.External(cr.spec.endpoint, served_model_name, serving)
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
-        # After an apply that changed the template, Progressing is the truth: no need to wait for the
-        # Deployment controller. A refresh waits briefly for it (see `observe`).
-        observed = await observe(
-            client, name, namespace, with_route=with_route, settle_s=0.0 if apply else SETTLE_S
-        )
+        observed = await observe(client, cache, name, namespace, with_route=with_route)
+        if reason is None and deployment_lagging(observed):
+            # The Deployment controller has not caught up with a change that was not ours (an
+            # annotation bumps the generation without a rollout): its status update is a watch event
+            # that brings this ServedModel back; writing now would flap Progressing and back.
+            return Outcome(dict(previous or {}), False, deferred=True)
         if apply_error is not None:
             mode = st.ApplyFailed(observed, served_model_name, *apply_error)
         else:
@@ -288,12 +384,13 @@ async def reconcile(
             )
             mode = st.Managed(observed, served_model_name, serving, autoscaling)
     desired = st.compute_status(subject, mode)
-    written = await write_status(client, config, body, desired)
+    written, changes = await finish(client, cache, config, body, desired, post_events)
     return Outcome(
         desired,
         written,
-        st.transitions(previous, desired) if written else [],
+        changes,
         applied=applied,
         pruned=pruned,
         apply_error=apply_error[1] if apply_error else None,
+        apply_reason=reason,
     )

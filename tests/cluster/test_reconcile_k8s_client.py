@@ -71,7 +71,7 @@ async def test_discovery(client: KubeClient) -> None:
     assert await client.discover("apps/v1") is True
     assert await client.discover(API_GROUP_VERSION) is True
     assert await client.discover("route.openshift.io/v1") is False
-    assert (await client.resource(API_GROUP_VERSION, "ServedModel")).plural == PLURAL
+    assert client.resource(API_GROUP_VERSION, "ServedModel").plural == PLURAL
 
 
 async def test_two_managers_share_status(

@@ -6,9 +6,11 @@ checks the same client against a real kube-apiserver.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,17 +19,23 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
+from lightkube import KubeConfig
+from lightkube.config.models import Cluster, User
 
 from servedmodel.k8s import (
     ApiError,
     ConflictError,
-    Credentials,
     CredentialsError,
+    Identity,
     KubeClient,
     UnreachableError,
-    load_credentials,
+    load_identity,
 )
-from servedmodel.k8s.credentials import from_kubeconfig
+from servedmodel.k8s.identity import from_config
+
+
+def identity(server: str, **user: Any) -> Identity:
+    return from_config(KubeConfig.from_one(cluster=Cluster(server=server), user=User(**user)), "test")
 
 
 @dataclass
@@ -46,6 +54,10 @@ class FakeApiServer:
     url: str = ""
     answers: dict[tuple[str, str], list[tuple[int, Any, dict[str, str]]]] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
+    delay_s: float = 0.0
+    accept_tokens: set[str] | None = None  # None: any Authorization is fine
+    concurrency: int = 0
+    peak_concurrency: int = 0
 
     def on(self, method: str, path: str, *answers: tuple[int, Any] | tuple[int, Any, dict[str, str]]) -> None:
         self.answers[(method, path)] = [(a[0], a[1], a[2] if len(a) > 2 else {}) for a in answers]  # type: ignore[misc]
@@ -61,6 +73,16 @@ class FakeApiServer:
                 json.loads(raw) if raw else None,
             )
         )
+        if self.accept_tokens is not None:
+            auth = request.headers.get("Authorization", "")
+            if auth.removeprefix("Bearer ") not in self.accept_tokens:
+                return web.json_response(status_body(401, "Unauthorized", "Unauthorized"), status=401)
+        self.concurrency += 1
+        self.peak_concurrency = max(self.peak_concurrency, self.concurrency)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.concurrency -= 1
         queue = self.answers.get((request.method, request.path))
         if not queue:
             status = {"kind": "Status", "status": "Failure", "reason": "NotFound", "message": "not found"}
@@ -101,29 +123,32 @@ async def api() -> AsyncIterator[FakeApiServer]:
 def client_for(api: FakeApiServer) -> Callable[..., KubeClient]:
     def make(**kwargs: Any) -> KubeClient:
         kwargs.setdefault("backoff_base_s", 0.001)
-        return KubeClient(Credentials(server=api.url, token="s3cr3t-token"), **kwargs)
+        return KubeClient(identity(api.url, token="s3cr3t-token"), **kwargs)
 
     return make
 
 
 DEPLOY = "/apis/apps/v1/namespaces/ns1/deployments/m1"
+DEPLOYMENT = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "m1", "namespace": "ns1"}}
 
 
 async def test_get_retries_5xx_then_succeeds(
     api: FakeApiServer, client_for: Callable[..., KubeClient]
 ) -> None:
-    api.on(
-        "GET", DEPLOY, (503, status_body(503, "ServiceUnavailable", "etcd")), (200, {"kind": "Deployment"})
-    )
+    api.on("GET", DEPLOY, (503, status_body(503, "ServiceUnavailable", "etcd")), (200, DEPLOYMENT))
     async with client_for() as client:
         obj = await client.get("apps/v1", "deployments", "ns1", "m1")
-    assert obj == {"kind": "Deployment"}
+        assert client.requests[("GET", 503)] == 1
+        assert client.requests[("GET", 200)] == 1
+        assert client.request_count == 2
+    assert obj == DEPLOYMENT
     assert [s.method for s in api.seen] == ["GET", "GET"]
     assert api.seen[0].headers["Authorization"] == "Bearer s3cr3t-token"
+    assert api.seen[0].headers["User-Agent"] == "servedmodel-operator"
 
 
 async def test_retry_is_bounded(api: FakeApiServer, client_for: Callable[..., KubeClient]) -> None:
-    api.on("GET", DEPLOY, (429, status_body(429, "TooManyRequests", "slow down"), {"Retry-After": "0"}))
+    api.on("GET", DEPLOY, (429, status_body(429, "TooManyRequests", "slow down")))
     async with client_for(attempts=3) as client:
         with pytest.raises(ApiError) as err:
             await client.get("apps/v1", "deployments", "ns1", "m1")
@@ -138,12 +163,13 @@ async def test_client_errors_are_not_retried_and_carry_the_status(
     api.on(
         "PATCH", "/apis/apps/v1/namespaces/ns1/deployments/m2", (409, status_body(409, "Conflict", "owned"))
     )
-    obj = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "m1", "namespace": "ns1"}}
     async with client_for() as client:
         with pytest.raises(ApiError) as err:
-            await client.apply(obj, "mgr")
+            await client.apply(DEPLOYMENT, "mgr")
         with pytest.raises(ConflictError):
-            await client.apply({**obj, "metadata": {"name": "m2", "namespace": "ns1"}}, "mgr", force=False)
+            await client.apply(
+                {**DEPLOYMENT, "metadata": {"name": "m2", "namespace": "ns1"}}, "mgr", force=False
+            )
     assert err.value.status == 422
     assert err.value.reason == "Invalid"
     assert "spec.replicas" in err.value.message
@@ -155,20 +181,15 @@ async def test_not_found(api: FakeApiServer, client_for: Callable[..., KubeClien
         assert await client.get("apps/v1", "deployments", "ns1", "m1") is None
         assert await client.delete("v1", "services", "ns1", "gone") is False
     assert api.seen[1].method == "DELETE"
-    assert api.seen[1].body["propagationPolicy"] == "Background"
+    assert api.seen[1].query["propagationPolicy"] == "Background"
 
 
 async def test_apply_wire_shape(api: FakeApiServer, client_for: Callable[..., KubeClient]) -> None:
-    obj = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "m1", "namespace": "ns1"},
-        "spec": {},
-    }
-    api.on("PATCH", DEPLOY, (200, {**obj, "status": {}}))
+    obj = {**DEPLOYMENT, "spec": {"replicas": 2}}
+    api.on("PATCH", DEPLOY, (200, {**obj, "status": {"replicas": 0}}))
     async with client_for() as client:
         result = await client.apply(obj, "servedmodel-operator")
-    assert result["status"] == {}
+    assert result["status"] == {"replicas": 0}
     seen = api.seen[0]
     assert seen.headers["Content-Type"] == "application/apply-patch+yaml"
     assert seen.query == {"fieldManager": "servedmodel-operator", "force": "true"}
@@ -187,7 +208,8 @@ async def test_apply_status_targets_the_subresource(
         )
     seen = api.seen[0]
     assert seen.path == path
-    assert seen.query["fieldManager"] == "servedmodel-probe"
+    assert seen.headers["Content-Type"] == "application/apply-patch+yaml"
+    assert seen.query == {"fieldManager": "servedmodel-probe", "force": "true"}
     assert seen.body == {
         "apiVersion": "inference.servedmodel.io/v1alpha1",
         "kind": "ServedModel",
@@ -200,60 +222,55 @@ async def test_list_follows_pages_and_selects(
     api: FakeApiServer, client_for: Callable[..., KubeClient]
 ) -> None:
     path = "/api/v1/namespaces/ns1/pods"
+    pod = {"apiVersion": "v1", "kind": "Pod"}
     api.on(
         "GET",
         path,
-        (200, {"items": [{"n": 1}], "metadata": {"continue": "abc"}}),
-        (200, {"items": [{"n": 2}], "metadata": {}}),
+        (200, {"items": [{**pod, "metadata": {"name": "a"}}], "metadata": {"continue": "abc"}}),
+        (200, {"items": [{**pod, "metadata": {"name": "b"}}], "metadata": {}}),
     )
-    api.on("GET", "/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices", (200, {"items": [{"e": 1}]}))
+    slice_ = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "endpoints": [],
+    }
+    api.on("GET", "/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices", (200, {"items": [slice_]}))
     async with client_for() as client:
-        pods = await client.list("v1", "pods", "ns1", label_selector="app=m1")
+        pods = await client.list("v1", "pods", "ns1", label_selector="app=m1,tier")
         slices = await client.list_endpoint_slices("ns1", "m1")
-    assert pods == [{"n": 1}, {"n": 2}]
-    assert slices == [{"e": 1}]
-    assert api.seen[0].query == {"limit": "500", "labelSelector": "app=m1"}
+    assert [p["metadata"]["name"] for p in pods] == ["a", "b"]
+    assert slices[0]["addressType"] == "IPv4"
+    assert api.seen[0].query == {"limit": "500", "labelSelector": "app=m1,tier"}
     assert api.seen[1].query["continue"] == "abc"
     assert api.seen[2].query["labelSelector"] == "kubernetes.io/service-name=m1"
 
 
 async def test_discovery_and_unknown_kinds(api: FakeApiServer, client_for: Callable[..., KubeClient]) -> None:
-    api.on(
-        "GET",
-        "/apis/example.io/v1",
-        (
-            200,
-            {
-                "resources": [
-                    {"name": "widgets", "kind": "Widget", "namespaced": False},
-                    {"name": "widgets/status"},
-                ]
-            },
-        ),
-    )
-    api.on("GET", "/apis/example.io/v1/widgets/w", (200, {"kind": "Widget"}))
+    api.on("GET", "/apis/monitoring.coreos.com/v1/namespaces/default/servicemonitors", (200, {"items": []}))
     async with client_for() as client:
-        assert await client.discover("route.openshift.io/v1") is False
-        assert await client.discover("example.io/v1") is True
-        assert await client.discover("example.io/v1") is True  # cached: one GET
-        assert await client.get("example.io/v1", "Widget", None, "w") == {"kind": "Widget"}
-    assert [s.path for s in api.seen].count("/apis/example.io/v1") == 1
+        assert await client.discover("route.openshift.io/v1") is False  # 404: not served
+        assert await client.discover("monitoring.coreos.com/v1") is True
+        assert await client.discover("monitoring.coreos.com/v1") is True  # cached: one request
+        with pytest.raises(ApiError, match="register"):
+            await client.get("example.io/v1", "widgets", None, "w")
+    assert len(api.seen) == 2
 
 
 async def test_unreachable_server_is_a_clear_error() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with KubeClient(
-        Credentials(server=f"http://127.0.0.1:{port}"), attempts=2, backoff_base_s=0.001
-    ) as c:
+    async with KubeClient(identity(f"http://127.0.0.1:{port}"), attempts=2, backoff_base_s=0.001) as c:
         with pytest.raises(UnreachableError) as err:
             await c.get("v1", "pods", "ns", "p")
+        assert c.requests[("GET", 0)] == 2
     assert err.value.status == 0
+    assert f"127.0.0.1:{port}" in err.value.message
 
 
 async def test_create_event(api: FakeApiServer, client_for: Callable[..., KubeClient]) -> None:
-    api.on("POST", "/api/v1/namespaces/ns1/events", (201, {"kind": "Event"}))
+    api.on("POST", "/api/v1/namespaces/ns1/events", (201, {"apiVersion": "v1", "kind": "Event"}))
     cr = {
         "apiVersion": "inference.servedmodel.io/v1alpha1",
         "kind": "ServedModel",
@@ -266,7 +283,32 @@ async def test_create_event(api: FakeApiServer, client_for: Callable[..., KubeCl
     assert (body["type"], body["reason"]) == ("Normal", "Ready")
 
 
-# ---- credentials ----------------------------------------------------------------------------------
+async def test_in_flight_requests_are_capped(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    api.delay_s = 0.05
+    api.on("GET", DEPLOY, (200, DEPLOYMENT))
+    async with client_for(max_inflight=3) as client:
+        await asyncio.gather(*(client.get("apps/v1", "deployments", "ns1", "m1") for _ in range(12)))
+    assert len(api.seen) == 12
+    assert api.peak_concurrency == 3
+
+
+async def test_401_rereads_a_rotated_token_file(api: FakeApiServer, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("old")
+    api.accept_tokens = {"new"}
+    api.on("GET", DEPLOY, (200, DEPLOYMENT))
+    async with KubeClient(identity(api.url, token_file=str(token)), backoff_base_s=0.001) as client:
+        token.write_text("new")  # rotated after the first read (the client read it at the first request)
+        await client.identity.credential()  # first read happens here: "new"... so rotate again below
+        token.write_text("newer")
+        api.accept_tokens = {"newer"}
+        assert await client.get("apps/v1", "deployments", "ns1", "m1") == DEPLOYMENT
+    assert [s.headers["Authorization"] for s in api.seen] == ["Bearer new", "Bearer newer"]
+
+
+# ---- identity -------------------------------------------------------------------------------------
 
 
 def write_kubeconfig(
@@ -284,6 +326,26 @@ def write_kubeconfig(
     return path
 
 
+def exec_plugin(tmp_path: Path, token: str, expires: str | None = None, api_version: str = "v1beta1") -> Path:
+    """A real exec plugin: a script that prints an ExecCredential and counts its runs."""
+    script = tmp_path / "plugin.py"
+    status: dict[str, Any] = {"token": token, **({"expirationTimestamp": expires} if expires else {})}
+    cred = {
+        "apiVersion": f"client.authentication.k8s.io/{api_version}",
+        "kind": "ExecCredential",
+        "status": status,
+    }
+    script.write_text(
+        "import json, os, pathlib, sys\n"
+        f"runs = pathlib.Path({str(tmp_path / 'runs')!r})\n"
+        "runs.write_text(str(int(runs.read_text() if runs.exists() else 0) + 1))\n"
+        "info = json.loads(os.environ['KUBERNETES_EXEC_INFO'])\n"
+        "assert info['spec']['interactive'] is False, info\n"
+        f"print(json.dumps({cred!r}))\n"
+    )
+    return script
+
+
 def test_kubeconfig_token_and_relative_token_file(tmp_path: Path) -> None:
     (tmp_path / "tok").write_text("from-file\n")
     kc = write_kubeconfig(
@@ -292,20 +354,21 @@ def test_kubeconfig_token_and_relative_token_file(tmp_path: Path) -> None:
         user={"tokenFile": "tok"},
         cluster={"insecure-skip-tls-verify": True},
     )
-    creds = load_credentials(kc)
-    assert creds.server == "https://127.0.0.1:6443"
-    assert creds.bearer_token() == "from-file"
-    assert creds.namespace == "team"
-    assert creds.ssl_context() is not None
-    assert "from-file" not in repr(creds)
+    ident = load_identity(kc)
+    assert ident.server == "https://127.0.0.1:6443"
+    assert asyncio.run(ident.credential()).token == "from-file"
+    assert ident.namespace == "team"
+    assert ident.ssl_context() is not None
+    assert "from-file" not in repr(ident)
+    assert "from-file" not in repr(asyncio.run(ident.credential()))
 
 
-def test_kubeconfig_from_env_merges_first_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kubeconfig_from_env_first_existing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = write_kubeconfig(tmp_path / "a", server="http://127.0.0.1:1", user={"token": "A"})
-    second = write_kubeconfig(tmp_path / "b", server="http://127.0.0.1:2", user={"token": "B"})
-    monkeypatch.setenv("KUBECONFIG", f"{first}:{tmp_path / 'missing'}:{second}")
-    creds = load_credentials()
-    assert (creds.server, creds.bearer_token()) == ("http://127.0.0.1:1", "A")
+    monkeypatch.setenv("KUBECONFIG", f"{tmp_path / 'missing'}:{first}")
+    ident = load_identity()
+    assert ident.server == "http://127.0.0.1:1"
+    assert asyncio.run(ident.credential()).token == "A"
 
 
 def test_kubeconfig_ca_data_must_be_a_certificate(tmp_path: Path) -> None:
@@ -315,25 +378,87 @@ def test_kubeconfig_ca_data_must_be_a_certificate(tmp_path: Path) -> None:
         user={"token": "t"},
         cluster={"certificate-authority-data": base64.b64encode(b"not a pem").decode()},
     )
-    creds = from_kubeconfig([kc])
-    assert creds.ca_data == "not a pem"
     with pytest.raises(Exception):  # noqa: B017, PT011 - ssl raises its own error types per OpenSSL build
-        creds.ssl_context()
+        load_identity(kc).ssl_context()
 
 
-def test_kubeconfig_exec_plugins_are_refused(tmp_path: Path) -> None:
-    kc = write_kubeconfig(tmp_path / "kc", server="https://x", user={"exec": {"command": "aws"}})
-    with pytest.raises(CredentialsError, match="exec"):
-        from_kubeconfig([kc])
+async def test_exec_plugin_runs_once_until_it_expires(tmp_path: Path) -> None:
+    script = exec_plugin(tmp_path, "exec-token", expires="2999-01-01T00:00:00Z", api_version="v1")
+    kc = write_kubeconfig(
+        tmp_path / "kc",
+        server="https://x",
+        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
+                       "args": [str(script)]}},
+    )  # fmt: skip
+    ident = load_identity(kc)
+    first = await ident.credential()
+    second = await ident.credential()
+    assert first.token == second.token == "exec-token"
+    assert first.expiration is not None
+    assert first.expiration.year == 2999
+    assert (tmp_path / "runs").read_text() == "1"
+    await ident.credential(refresh=True)  # a 401 seconds later: no second run within a second
+    assert (tmp_path / "runs").read_text() == "1"
+
+
+async def test_exec_plugin_expired_token_runs_again(tmp_path: Path) -> None:
+    script = exec_plugin(tmp_path, "short", expires="2000-01-01T00:00:00Z")
+    kc = write_kubeconfig(
+        tmp_path / "kc",
+        server="https://x",
+        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": sys.executable,
+                       "args": [str(script)]}},
+    )  # fmt: skip
+    ident = load_identity(kc)
+    await ident.credential()
+    await ident.credential()
+    assert (tmp_path / "runs").read_text() == "2"
+
+
+async def test_exec_plugin_failure_is_a_clear_error(tmp_path: Path) -> None:
+    kc = write_kubeconfig(
+        tmp_path / "kc",
+        server="https://x",
+        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "no-such-aws-cli",
+                       "installHint": "install the AWS CLI"}},
+    )  # fmt: skip
+    with pytest.raises(CredentialsError, match="install the AWS CLI"):
+        await load_identity(kc).credential()
+
+
+async def test_oidc_auth_provider(tmp_path: Path) -> None:
+    def jwt(exp: int) -> str:
+        claims = base64.urlsafe_b64encode(json.dumps({"exp": exp}).encode()).decode().rstrip("=")
+        return f"e30.{claims}.sig"
+
+    valid = write_kubeconfig(
+        tmp_path / "ok", server="https://x",
+        user={"auth-provider": {"name": "oidc", "config": {"id-token": jwt(32503680000)}}},
+    )  # fmt: skip
+    assert (await load_identity(valid).credential()).token == jwt(32503680000)
+    expired = write_kubeconfig(
+        tmp_path / "old", server="https://x",
+        user={"auth-provider": {"name": "oidc", "config": {"id-token": jwt(946684800)}}},
+    )  # fmt: skip
+    with pytest.raises(CredentialsError, match="oidc-login"):
+        await load_identity(expired).credential()
+    gcp = write_kubeconfig(tmp_path / "gcp", server="https://x", user={"auth-provider": {"name": "gcp"}})
+    with pytest.raises(CredentialsError, match="gke-gcloud-auth-plugin"):
+        load_identity(gcp)
 
 
 def test_in_cluster_service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from servedmodel.k8s.credentials import in_cluster
+    import servedmodel.k8s.identity as identity_module
 
     (tmp_path / "token").write_text("sa-token")
     (tmp_path / "namespace").write_text("ops")
+    (tmp_path / "ca.crt").write_text("")
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setattr(identity_module, "SERVICE_ACCOUNT_DIR", tmp_path)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    creds = in_cluster(tmp_path)
-    assert creds.server == "https://[fd00::1]:443"
-    assert (creds.bearer_token(), creds.namespace) == ("sa-token", "ops")
+    ident = load_identity()
+    assert ident.server == "https://[fd00::1]:443"
+    assert ident.namespace == "ops"
+    assert isinstance(ident.tokens, identity_module.TokenFile)
+    assert asyncio.run(ident.credential()).token == "sa-token"

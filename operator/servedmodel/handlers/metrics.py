@@ -7,16 +7,22 @@ with `registry=REGISTRY`. Names start with `servedmodel_`.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from servedmodel.controller import Controller
+from servedmodel.k8s import Cache, KubeClient
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILE_TOTAL = Counter(
     "servedmodel_reconcile",
-    "Reconciles of ServedModels by result: applied (children applied), refreshed (status only), "
-    "invalid_spec, error.",
+    "Reconciles of ServedModels by result: applied (children applied), refreshed (status from the cache), "
+    "invalid_spec, apply_failed, deferred (Deployment controller behind: wait for its event), error.",
     ["result"],
     registry=REGISTRY,
 )
@@ -35,10 +41,70 @@ STATUS_WRITES_TOTAL = Counter(
 KUBE_REQUESTS = Gauge(
     "servedmodel_kube_api_requests",
     "HTTP requests the operator's Kubernetes client has sent to the API server (retries included); "
-    "kopf's own watches and patches are not counted.",
+    "kopf's watches are not counted (servedmodel_kube_api_requests_by_verb splits this by verb and code).",
     registry=REGISTRY,
 )
-for _result in ("applied", "refreshed", "invalid_spec", "error"):
+
+
+class _LoopCollector(Collector):
+    """The control loop's figures, read at scrape time from the objects that keep them."""
+
+    def __init__(self, client: KubeClient, cache: Cache, controller: Controller) -> None:
+        self.client, self.cache, self.controller = client, cache, controller
+
+    def collect(self) -> Iterator[Metric]:
+        by_verb = CounterMetricFamily(
+            "servedmodel_kube_api_requests_by_verb",
+            "HTTP requests of the operator's Kubernetes client by method and status code (0: no answer).",
+            labels=["verb", "code"],
+        )
+        for (verb, code), n in sorted(self.client.requests.items()):
+            by_verb.add_metric([verb, str(code)], n)
+        yield by_verb
+        yield GaugeMetricFamily(
+            "servedmodel_kube_api_in_flight", "Kubernetes API requests in flight now.", self.client.in_flight
+        )
+        q = self.controller.queue
+        depth = GaugeMetricFamily(
+            "servedmodel_workqueue_depth", "ServedModel keys in the work queue, by state.", labels=["state"]
+        )
+        depth.add_metric(["queued"], len(q))
+        depth.add_metric(["delayed"], q.delayed)
+        depth.add_metric(["in_process"], q.in_process)
+        yield depth
+        s = self.controller.stats
+        for name, doc, value in (
+            (
+                "servedmodel_controller_reconciles",
+                "Reconciles run by the controller's workers.",
+                s.reconciles,
+            ),
+            ("servedmodel_controller_failures", "Reconciles that raised (retried with backoff).", s.failures),
+            ("servedmodel_controller_resyncs", "Safety resyncs (every ServedModel enqueued).", s.resyncs),
+            ("servedmodel_controller_enqueued", "enqueue() calls (before de-duplication).", s.enqueued),
+        ):
+            yield CounterMetricFamily(name, doc, value)
+        objects = GaugeMetricFamily(
+            "servedmodel_cache_objects", "Objects in the watch-fed cache.", labels=["kind"]
+        )
+        for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice"):
+            objects.add_metric([kind], self.cache.count(kind))
+        yield objects
+
+
+_COLLECTOR: list[_LoopCollector] = []
+
+
+def watch_loop(client: KubeClient, cache: Cache, controller: Controller) -> None:
+    """Export the client's, cache's and controller's figures (once per process; a restart replaces them)."""
+    KUBE_REQUESTS.set_function(lambda: client.request_count)
+    for old in _COLLECTOR:
+        REGISTRY.unregister(old)
+    _COLLECTOR[:] = [_LoopCollector(client, cache, controller)]
+    REGISTRY.register(_COLLECTOR[0])
+
+
+for _result in ("applied", "refreshed", "invalid_spec", "apply_failed", "deferred", "error"):
     RECONCILE_TOTAL.labels(result=_result)  # export zeros from the start
 for _kind in ("apply", "refresh"):
     RECONCILE_DURATION.labels(kind=_kind)

@@ -1,177 +1,192 @@
-"""kopf handlers of ServedModels: thin wrappers over `servedmodel.reconcile`.
+"""kopf event handlers that feed the watch-fed cache and enqueue the owning ServedModel, and the
+reconcile entry point the controller's workers call (`reconcile_key`).
 
-- create / update (spec, labels) / resume: render and server-side apply the children, then status.
-- the engine Deployment or one of its Pods changes (starting, failing, ready): refresh status; the
-  Deployment deleted: apply again.
-- a timer every RESYNC_INTERVAL_S: refresh status (the safety net, and how the probe's Serving
-  condition reaches the phase); nothing is written when nothing changed.
+One watch per kind (ServedModels; and the operator's children — Deployments, Pods, Services, PVCs,
+EndpointSlices — filtered server-side by ``app.kubernetes.io/managed-by=servedmodel-operator``, see
+startup.py). A handler only updates the cache and calls ``controller.enqueue(namespace, name)``: no
+on.create/update/resume, no timers, no daemons, so kopf holds no finalizer and writes no annotations.
+The work queue de-duplicates, so a burst of Pod events during a rollout is one reconcile.
 
-No handler lets an exception escape to kopf unbounded: API failures retry with backoff up to
-APPLY_RETRIES times, after which the resync takes over; a spec that cannot be served is a
-permanent error until the spec changes (the InvalidSpec condition says why).
+A ServedModel event enqueues it when something the reconciler reads changed (generation, labels,
+annotations, deletion, finalizers, the reconciler's own status fields, the probe's Serving condition):
+the probe's other status writes (latencies every cycle) do not cause reconciles.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import kopf
 
-from servedmodel.api import API_GROUP, API_GROUP_VERSION, API_VERSION, KIND, PLURAL, names
-from servedmodel.k8s import ApiError, KubeClient
-from servedmodel.reconcile import Outcome, reconcile
+from servedmodel import reconcile as rc
+from servedmodel import status as st
+from servedmodel.api import API_GROUP, API_GROUP_VERSION, API_VERSION, PLURAL, conditions, names
+from servedmodel.controller import Controller, Result
+from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
 
 from .metrics import RECONCILE_DURATION, RECONCILE_TOTAL, STATUS_WRITES_TOTAL
 from .startup import operator_config
 
-RESYNC_INTERVAL_S: Final = 30.0
-APPLY_RETRIES: Final = 8
-# A rollout sends bursts of Deployment events; one status refresh per burst is enough.
-COALESCE_S: Final = 0.3
+log = logging.getLogger("servedmodel.reconcile")
+
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
-INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
+SERVED_MODEL: Final = "ServedModel"
 
 
-def _key(namespace: str, name: str) -> tuple[str, str]:
-    return namespace, name
+class ApplyFailedError(Exception):
+    """A child apply was refused: the status says so (Degraded/ApplyFailed); the controller backs off."""
 
 
-async def run_reconcile(
-    memo: Any, logger: kopf.Logger, namespace: str, name: str, *, apply: bool
-) -> tuple[Outcome, Mapping[str, Any]] | None:
-    """Reconcile the ServedModel as it is now (read fresh under its lock, so two passes never act on
-    a stale status and post the same Event twice); None if it no longer exists."""
-    client: KubeClient = memo.client
+def _memo_parts(memo: Any) -> tuple[KubeClient, Cache, Controller]:
+    return memo.client, memo.cache, memo.controller
+
+
+def _key(body: Mapping[str, Any]) -> tuple[str, str]:
+    meta = body.get("metadata") or {}
+    return str(meta.get("namespace") or "default"), str(meta.get("name"))
+
+
+def _inputs(obj: Mapping[str, Any] | None) -> Any:
+    """What a reconcile of this ServedModel depends on, besides its children."""
+    if obj is None:
+        return None
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    serving = conditions.find(status.get("conditions"), conditions.SERVING) or {}
+    return (
+        meta.get("generation"),
+        meta.get("labels"),
+        meta.get("annotations"),
+        meta.get("deletionTimestamp"),
+        meta.get("finalizers"),
+        {k: status.get(k) for k in st.RECONCILER_FIELDS},
+        [c for c in status.get("conditions") or [] if c.get("type") in conditions.RECONCILER_CONDITIONS],
+        (serving.get("status"), serving.get("reason"), serving.get("message")),
+    )
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def servedmodel_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Cache the ServedModel; enqueue it when something the reconciler reads changed."""
+    _client, cache, controller = _memo_parts(memo)
+    key = _key(body)
+    old = cache.get(SERVED_MODEL, *key)
+    before = _inputs(old)
+    cache.apply_event(SERVED_MODEL, type, body)
+    if type == "DELETED":
+        controller.forget(*key)
+        return
+    if old is None or before != _inputs(cache.get(SERVED_MODEL, *key)):
+        controller.enqueue(*key)
+
+
+def _child_event(kind: str, *, enqueue: bool = True) -> Any:
+    async def handler(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        _client, cache, controller = _memo_parts(memo)
+        cache.apply_event(kind, type, body)
+        owner = Cache.owner_key(body)
+        if enqueue and owner is not None and cache.get(SERVED_MODEL, *owner) is not None:
+            controller.enqueue(*owner)
+
+    handler.__name__ = handler.__qualname__ = f"{kind.lower()}_event"
+    return handler
+
+
+_CHILDREN = {MANAGED_BY_LABEL: names.MANAGED_BY}
+kopf.on.event("apps", "v1", "deployments", labels=_CHILDREN, id="deployment-cache")(
+    _child_event("Deployment")
+)
+kopf.on.event("v1", "pods", labels=_CHILDREN, id="pod-cache")(_child_event("Pod"))
+kopf.on.event("v1", "services", labels=_CHILDREN, id="service-cache")(_child_event("Service"))
+kopf.on.event("v1", "persistentvolumeclaims", labels=_CHILDREN, id="pvc-cache")(
+    _child_event("PersistentVolumeClaim")
+)
+# Read by the probe scheduler (ready engine addresses); the reconciler does not use them.
+kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels=_CHILDREN, id="endpointslice-cache")(
+    _child_event("EndpointSlice", enqueue=False)
+)
+
+
+async def remove_legacy_bookkeeping(client: KubeClient, cache: Cache, body: Mapping[str, Any]) -> bool:
+    """Drop the finalizer and annotations kopf kept on ServedModels before the control loop (upgrade
+    path); True when something was removed. A merge patch guarded by resourceVersion."""
+    meta = body.get("metadata") or {}
+    finalizers = list(meta.get("finalizers") or [])
+    stale = [
+        k
+        for k, v in (meta.get("annotations") or {}).items()
+        if k.startswith(rc.LEGACY_ANNOTATION_PREFIX)
+        and (k.endswith("last-handled-configuration") or (isinstance(v, str) and '"started"' in v))
+    ]
+    if rc.LEGACY_FINALIZER not in finalizers and not stale:
+        return False
+    patch: dict[str, Any] = {"metadata": {"resourceVersion": meta.get("resourceVersion")}}
+    if rc.LEGACY_FINALIZER in finalizers:
+        patch["metadata"]["finalizers"] = [f for f in finalizers if f != rc.LEGACY_FINALIZER]
+    if stale:
+        patch["metadata"]["annotations"] = dict.fromkeys(stale)
+    namespace, name = _key(body)
+    updated = await client.patch(API_GROUP_VERSION, PLURAL, namespace, name, patch)
+    cache.upsert(SERVED_MODEL, updated)
+    log.info("[%s/%s] removed the pre-controller kopf finalizer/annotations", namespace, name)
+    return True
+
+
+async def reconcile_key(memo: Any, key: tuple[str, str]) -> Result | None:
+    """One reconcile of the ServedModel `key`, from the cache (what the controller's workers run)."""
+    client, cache, _controller = _memo_parts(memo)
     config = operator_config(memo)
-    key = _key(namespace, name)
-    lock: asyncio.Lock = memo.locks.setdefault(key, asyncio.Lock())
-    async with lock:
-        body = await client.get(API_GROUP_VERSION, PLURAL, namespace, name)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-            return None
-        apply = apply or key in memo.needs_apply
-        started = time.monotonic()
-        try:
-            outcome = await reconcile(client, body, config, apply=apply)
-        except Exception:
-            RECONCILE_TOTAL.labels(result="error").inc()
-            if apply:
-                memo.needs_apply.add(key)
-            raise
-        finally:
-            RECONCILE_DURATION.labels(kind="apply" if apply else "refresh").observe(
-                time.monotonic() - started
-            )
-    if apply:
-        if outcome.apply_error:
-            memo.needs_apply.add(key)
-        else:
-            memo.needs_apply.discard(key)
+    namespace, name = key
+    body = cache.get(SERVED_MODEL, namespace, name)
+    if body is None:
+        return None  # deleted: its children go with it (owner references)
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        # Deleting: nothing is written any more, except the legacy finalizer that would block it.
+        await remove_legacy_bookkeeping(client, cache, body)
+        return None
+    if await remove_legacy_bookkeeping(client, cache, body):
+        body = cache.get(SERVED_MODEL, namespace, name) or body
+
+    async def post_events(involved: Mapping[str, Any], changes: list[st.Transition]) -> None:
+        for t in changes:
+            try:
+                await client.create_event(dict(involved), type=t.type, reason=t.reason, message=t.message)
+            except ApiError as e:  # an Event is not worth failing the pass for
+                log.warning("[%s/%s] could not post Event %s: %s", namespace, name, t.reason, e)
+
+    started = time.monotonic()
+    try:
+        outcome = await rc.reconcile(client, body, config, cache=cache, post_events=post_events)
+    except NotFoundError:
+        return None  # deleted under us (the status write found nothing)
+    except Exception:
+        RECONCILE_TOTAL.labels(result="error").inc()
+        RECONCILE_DURATION.labels(kind="refresh").observe(time.monotonic() - started)
+        raise
+    RECONCILE_DURATION.labels(kind="apply" if outcome.apply_reason else "refresh").observe(
+        time.monotonic() - started
+    )
     result = (
         "invalid_spec"
         if outcome.invalid_spec
-        else "error"
+        else "apply_failed"
         if outcome.apply_error
+        else "deferred"
+        if outcome.deferred
         else "applied"
-        if apply
+        if outcome.apply_reason
         else "refreshed"
     )
     RECONCILE_TOTAL.labels(result=result).inc()
+    if outcome.apply_reason:
+        log.info("[%s/%s] applied %s (%s)", namespace, name, ", ".join(outcome.applied), outcome.apply_reason)
     if outcome.written:
         STATUS_WRITES_TOTAL.inc()
-        logger.info("status: phase %s", outcome.status.get("phase"))
+        log.info("[%s/%s] status: phase %s", namespace, name, outcome.status.get("phase"))
     if outcome.pruned:
-        logger.info("pruned %s", ", ".join(outcome.pruned))
-    for t in outcome.transitions:
-        kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=t.type, reason=t.reason, message=t.message)
-    return outcome, body
-
-
-@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
-async def apply_servedmodel(
-    name: str | None, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, retry: int, **_: Any
-) -> None:
-    """Render and apply the children, then status. Returns None: kopf writes nothing into status."""
-    assert name is not None
-    ns = namespace or "default"
-    try:
-        done = await run_reconcile(memo, logger, ns, name, apply=True)
-    except ApiError as e:
-        if retry >= APPLY_RETRIES:
-            logger.error("giving up after %d retries (the resync keeps trying): %s", retry, e)
-            return
-        raise kopf.TemporaryError(f"API server: {e}", delay=min(60.0, 2.0**retry)) from e
-    except Exception as e:  # a bug must not become a crash loop: log it, retry a bounded number of times
-        logger.exception("reconcile failed")
-        if retry >= APPLY_RETRIES:
-            return
-        raise kopf.TemporaryError(f"{type(e).__name__}: {e}", delay=min(60.0, 2.0**retry)) from e
-    if done is None:
-        return
-    outcome, _body = done
-    if outcome.invalid_spec:
-        raise kopf.PermanentError(f"InvalidSpec: {outcome.invalid_spec}")
-    if outcome.apply_error and retry < APPLY_RETRIES:
-        raise kopf.TemporaryError(outcome.apply_error, delay=min(60.0, 2.0**retry))
-
-
-@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
-async def resync(
-    name: str | None, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    """Refresh status from the children (applying again only after a failed apply); cheap when idle."""
-    assert name is not None
-    try:
-        await run_reconcile(memo, logger, namespace or "default", name, apply=False)
-    except Exception as e:  # the next tick retries
-        logger.warning("resync failed: %s", e)
-
-
-def _owner_name(body: Mapping[str, Any]) -> str | None:
-    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("kind") == KIND and ref.get("apiVersion") == API_GROUP_VERSION and ref.get("controller"):
-            return str(ref.get("name"))
+        log.info("[%s/%s] pruned %s", namespace, name, ", ".join(outcome.pruned))
+    if outcome.apply_error:
+        raise ApplyFailedError(outcome.apply_error)
     return None
-
-
-async def _refresh_owner(memo: Any, logger: kopf.Logger, namespace: str, owner: str, *, apply: bool) -> None:
-    """Refresh (or re-apply) one ServedModel after a child changed; bursts coalesce into one pass."""
-    key = _key(namespace, owner)
-    if not apply:
-        if key in memo.refresh_pending:
-            return
-        memo.refresh_pending.add(key)
-        await asyncio.sleep(COALESCE_S)
-        memo.refresh_pending.discard(key)
-    try:
-        await run_reconcile(memo, logger, namespace, owner, apply=apply)
-    except Exception as e:  # the resync timer catches up
-        logger.warning("status refresh of %s/%s failed: %s", namespace, owner, e)
-
-
-# Both watches are filtered server-side to the operator's children (settings.watching.label_selectors
-# in startup), so the operator never lists every Pod of the cluster.
-@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: names.MANAGED_BY})
-async def engine_deployment_event(
-    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    """The engine Deployment moved: refresh the owner's status (apply again if it was deleted)."""
-    owner = _owner_name(body)
-    namespace = body.get("metadata", {}).get("namespace")
-    if owner is not None and namespace:
-        await _refresh_owner(memo, logger, namespace, owner, apply=type == "DELETED")
-
-
-@kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: names.MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT})
-async def engine_pod_event(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """An engine pod moved (scheduled, pulling, crashing, ready): refresh the owner's status, so pod
-    reasons such as ImagePullBackOff or CrashLoopBackOff show without waiting for the resync."""
-    meta = body.get("metadata", {})
-    owner, namespace = (meta.get("labels") or {}).get(INSTANCE_LABEL), meta.get("namespace")
-    if owner and namespace:
-        await _refresh_owner(memo, logger, namespace, str(owner), apply=False)

@@ -1,24 +1,34 @@
-"""Operator start and stop: kopf settings, the shared Kubernetes client and the metrics server in memo."""
+"""Operator start and stop: kopf settings, one identity for kopf and our client, the watch-fed cache,
+the controller (work queue + workers) and the probe scheduler, all kept in kopf's memo.
+
+memo.config (OperatorConfig), memo.client (servedmodel.k8s.KubeClient), memo.cache (servedmodel.k8s.Cache),
+memo.controller (servedmodel.controller.Controller: ``memo.controller.enqueue(namespace, name)``),
+memo.probe_scheduler (servedmodel.probing.ProbeScheduler, started here through handlers/probe.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Final
 
 import kopf
 
 from servedmodel.api import API_GROUP, names
 from servedmodel.config import OperatorConfig
-from servedmodel.k8s import KubeClient
+from servedmodel.controller import Controller
+from servedmodel.k8s import Cache, Identity, KubeClient, load_identity
 
 from . import metrics
 
-# kopf keeps its per-object bookkeeping (handler progress, last-handled spec) in annotations under
-# this prefix, never in status: the status schema has no room for `status.kopf`, and the reconciler
-# and the probe share status through server-side apply.
-ANNOTATION_PREFIX = API_GROUP
-FINALIZER = f"{API_GROUP}/finalizer"
+# Where kopf kept its bookkeeping before the control loop (annotations under this prefix) and the
+# finalizer it held on every ServedModel for its timers and daemons; the reconciler removes both
+# where it still finds them (reconcile.LEGACY_FINALIZER).
+ANNOTATION_PREFIX: Final = API_GROUP
+# Give kopf's first listings a moment to fill the cache before the first reconciles (a pass that ran
+# before a ServedModel's Deployment arrived would apply it again: harmless, but a wasted request).
+STARTUP_DELAY_S: Final = 2.0
+CHILDREN_SELECTOR: Final = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
 
 
 def operator_config(memo: Any) -> OperatorConfig:
@@ -30,6 +40,38 @@ def operator_config(memo: Any) -> OperatorConfig:
     return config
 
 
+def _identity(memo: Any) -> Identity:
+    identity = getattr(memo, "identity", None)
+    if not isinstance(identity, Identity):
+        identity = memo.identity = load_identity()
+    return identity
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches authenticate with the operator's identity (exec plugins, rotating tokens
+    included): kopf calls this again when the expiration passes or the server answers 401."""
+    identity = _identity(memo)
+    refresh = bool(getattr(memo, "logged_in", False))  # a second login: the last credential failed
+    memo.logged_in = True
+    c = await identity.connection(refresh=refresh)
+    return kopf.ConnectionInfo(
+        server=c.server,
+        ca_path=c.ca_path,
+        ca_data=c.ca_data,
+        insecure=c.insecure,
+        certificate_path=c.certificate_path,
+        certificate_data=c.certificate_data,
+        private_key_path=c.private_key_path,
+        private_key_data=c.private_key_data,
+        token=c.credential.token,
+        username=c.credential.username,
+        password=c.credential.password,
+        default_namespace=c.default_namespace,
+        expiration=c.credential.expiration,
+    )
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     config = operator_config(memo)
@@ -37,41 +79,85 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    # Timers and daemons (resync, probe) make kopf hold a finalizer so it can stop them before the
-    # object goes; name it after the API. Children need none: owner references garbage-collect them.
-    settings.persistence.finalizer = FINALIZER
-    # Only Events the handlers post explicitly (transitions), not every log line.
-    settings.posting.enabled = True
-    settings.posting.loggers = False
-    settings.posting.level = logging.INFO
+    # Only event handlers: kopf holds no finalizer and writes no annotations. Events are posted by
+    # the reconciler itself (before the status write that records the transition).
+    settings.posting.enabled = False
     # Watches: the server closes the stream after server_timeout; a silent stream is abandoned later.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
-    # Only the operator's children: the Deployment and Pod watches are filtered by the API server.
-    children = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
-    settings.watching.label_selectors["apps", "v1", "deployments"] = children
-    settings.watching.label_selectors["v1", "pods"] = children
+    # Only the operator's children: the child watches are filtered by the API server.
+    for resource in (
+        ("apps", "v1", "deployments"),
+        ("v1", "pods"),
+        ("v1", "services"),
+        ("v1", "persistentvolumeclaims"),
+        ("discovery.k8s.io", "v1", "endpointslices"),
+    ):
+        settings.watching.label_selectors[resource] = CHILDREN_SELECTOR
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
+    # Event handlers of one object run one after another, objects in parallel: many at most.
+    settings.batching.worker_limit = 64
 
-    client = memo.client = KubeClient.from_environment()
-    metrics.KUBE_REQUESTS.set_function(lambda: client.request_count)
-    memo.locks = {}  # (namespace, name) -> asyncio.Lock: one reconcile at a time per ServedModel
-    memo.needs_apply = set()  # ServedModels whose last apply failed; the resync applies again
-    memo.refresh_pending = set()  # ServedModels with a coalesced status refresh pending
+    client = memo.client = KubeClient(
+        _identity(memo), max_inflight=config.max_inflight_requests, read_timeout_s=config.api_timeout
+    )
+    cache = memo.cache = Cache()
+    for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice"):
+        cache.track(kind)
+
+    from .servedmodel import reconcile_key  # the reconcile entry point (handlers/servedmodel.py)
+
+    async def reconcile_one(key: tuple[str, str]) -> Any:
+        return await reconcile_key(memo, key)
+
+    controller = memo.controller = Controller(
+        reconcile_one,
+        lambda: cache.keys("ServedModel"),
+        workers=config.workers,
+        backoff_base_s=config.backoff_base,
+        backoff_cap_s=config.backoff_cap,
+        resync_interval_s=config.resync_interval,
+        logger=logging.getLogger("servedmodel.controller"),
+    )
+    metrics.watch_loop(client, cache, controller)
     bind = getattr(memo, "bind_address", "0.0.0.0")
     memo.metrics_server = metrics.serve(config.metrics_port, bind)
+
+    async def start_workers() -> None:
+        await asyncio.sleep(STARTUP_DELAY_S)
+        await controller.start()
+
+    memo.controller_start = asyncio.create_task(start_workers())
+    # The operator-wide probe scheduler (H5's servedmodel.probing) reads the same cache and enqueues
+    # into the controller when Serving changes.
+    from .probe import start_scheduler
+
+    await start_scheduler(memo)
     logger.info(
-        "servedmodel operator: API %s (%s); metrics on :%s",
-        memo.client.credentials.server,
-        memo.client.credentials.source,
+        "servedmodel operator: API %s (%s); %d workers, %d API requests in flight at most, resync %ss; "
+        "metrics on :%s",
+        client.server,
+        client.identity.source,
+        config.workers,
+        config.max_inflight_requests,
+        config.resync_interval,
         config.metrics_port or "off",
     )
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    from .probe import stop_scheduler
+
+    await stop_scheduler(memo)
+    starting = getattr(memo, "controller_start", None)
+    if isinstance(starting, asyncio.Task):
+        starting.cancel()
+    controller = getattr(memo, "controller", None)
+    if isinstance(controller, Controller):
+        await controller.stop()
     client = getattr(memo, "client", None)
     if isinstance(client, KubeClient):
         await client.aclose()

@@ -1,4 +1,5 @@
-"""The only code that talks to the Kubernetes API server: credentials, a typed async client, SSA."""
+"""The only code that talks to the Kubernetes API server: one identity (shared with kopf's login), a
+lightkube-based async client with server-side apply, and the watch-fed cache the control loop reads."""
 
 from .cache import Cache
 from .client import (
@@ -12,20 +13,22 @@ from .client import (
     Resource,
     UnreachableError,
 )
-from .credentials import Credentials, CredentialsError, load_credentials
+from .identity import Connection, Credential, CredentialsError, Identity, load_identity
 
 __all__ = [
     "KNOWN_RESOURCES",
     "ApiError",
     "Cache",
     "ConflictError",
-    "Credentials",
+    "Connection",
+    "Credential",
     "CredentialsError",
+    "Identity",
     "KubeClient",
     "NotFoundError",
     "Obj",
     "ObjList",
     "Resource",
     "UnreachableError",
-    "load_credentials",
+    "load_identity",
 ]

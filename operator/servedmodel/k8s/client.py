@@ -1,30 +1,51 @@
-"""A small typed async Kubernetes client on httpx: the only code in the operator that calls the API server.
+"""The operator's Kubernetes client: a thin facade over lightkube's AsyncClient (the only code in the
+operator that calls the API server; kopf's watches are the other half, with the same identity).
 
-Objects are plain dicts (the API's JSON); resources are named by (apiVersion, plural). Every call has
-explicit connect/read timeouts and a bounded retry with jittered exponential backoff on 429, 5xx and
-connection errors; everything else becomes an `ApiError` carrying the server's status, reason and message.
+Objects in and out are plain dicts (the API's JSON); resources are named by (apiVersion, plural) or,
+for applies, by the object's (apiVersion, kind). lightkube builds every URL, encodes every body, speaks
+server-side apply (also on /status) and decodes errors; this module adds what an operator needs on top:
+
+- one identity (k8s/identity.py) whose token goes into each request's Authorization header, refreshed
+  once on a 401 (rotated service-account tokens, expired exec-plugin tokens);
+- a cap on requests in flight (``max_inflight``, an asyncio semaphore around each HTTP exchange), so a
+  burst of reconciles queues here instead of starving the connection pool;
+- explicit timeouts (connect 5 s, read ``read_timeout_s``, pool 30 s) and a bounded retry with jittered
+  backoff on 429, 5xx and connection errors; every other error becomes an `ApiError` with the server's
+  status, reason and message;
+- counts of the HTTP requests sent, by verb and status code (``requests``), which the operator exports.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import random
-import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
-import httpx
+import httpx2 as httpx
+import lightkube
+from lightkube.core import resource as lk_resource
+from lightkube.generic_resource import (
+    GenericGlobalResource,
+    GenericGlobalStatus,
+    GenericNamespacedResource,
+    GenericNamespacedStatus,
+    create_api_info,
+)
+from lightkube.types import CascadeType, PatchType
 
-from .credentials import Credentials, load_credentials
+from .identity import Identity, load_identity
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 ObjList = list[dict[str, Any]]
+T = TypeVar("T")
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 DISCOVERY_TTL_S: Final = 300.0
@@ -54,28 +75,22 @@ class UnreachableError(ApiError):
 
 @dataclass(frozen=True)
 class Resource:
-    """Where a kind lives: /api(s)/<group_version>/[namespaces/<ns>/]<plural>."""
+    """A kind the operator touches: where it lives and lightkube's class for it."""
 
     api_version: str
     kind: str
     plural: str
     namespaced: bool = True
 
-    def path(
-        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
-    ) -> str:
-        base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
-        if self.namespaced and namespace:
-            base += f"/namespaces/{namespace}"
-        base += f"/{self.plural}"
-        if name:
-            base += f"/{name}"
-        if subresource:
-            base += f"/{subresource}"
-        return base
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
 
 
-# Kinds the operator touches, so the hot path needs no discovery round trip. Anything else is discovered.
 KNOWN_RESOURCES: Final = (
     Resource("v1", "Pod", "pods"),
     Resource("v1", "Service", "services"),
@@ -87,69 +102,184 @@ KNOWN_RESOURCES: Final = (
     Resource("apps/v1", "Deployment", "deployments"),
     Resource("apps/v1", "ReplicaSet", "replicasets"),
     Resource("discovery.k8s.io/v1", "EndpointSlice", "endpointslices"),
+    Resource("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     Resource("route.openshift.io/v1", "Route", "routes"),
     Resource("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+    Resource("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Resource("inference.servedmodel.io/v1alpha1", "ServedModel", "servedmodels"),
 )
 
 
-def _error_from_response(response: httpx.Response) -> ApiError:
-    reason, message = response.reason_phrase or "Error", response.text[:500]
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and body.get("kind") == "Status":
-        reason = str(body.get("reason") or reason)
-        message = str(body.get("message") or message)
-    cls = {404: NotFoundError, 409: ConflictError}.get(response.status_code, ApiError)
-    return cls(response.status_code, reason, message)
+@functools.cache
+def _lightkube_class(r: Resource) -> Any:
+    """lightkube's generic (dict-backed) resource class for `r`: objects stay the API's JSON, decoded
+    without per-field validation, for built-in kinds too (the typed models would reject a partial
+    object and drop fields newer than the models)."""
+    info = create_api_info(r.group, r.version, r.kind, r.plural)
+    status_info = lk_resource.ApiInfo(
+        resource=info.resource,
+        parent=info.resource,
+        plural=r.plural,
+        verbs=["get", "patch", "put"],
+        action="status",
+    )
+    main, status = (
+        (GenericNamespacedResource, GenericNamespacedStatus)
+        if r.namespaced
+        else (GenericGlobalResource, GenericGlobalStatus)
+    )
+    status_cls = type(f"{r.kind}Status", (status,), {"_api_info": status_info})
+    return type(r.kind, (main,), {"_api_info": info, "Status": status_cls})
+
+
+def parse_label_selector(selector: str) -> dict[str, str | None]:
+    """'a=b,c' → {'a': 'b', 'c': None} (equality and existence: all the operator uses)."""
+    out: dict[str, str | None] = {}
+    for part in filter(None, (p.strip() for p in selector.split(","))):
+        key, eq, value = part.partition("=")
+        out[key.rstrip("=").strip()] = value.lstrip("=").strip() if eq else None
+    return out
+
+
+def _to_dict(obj: Any) -> Obj:
+    if obj is None:
+        return {}
+    if isinstance(obj, dict) and not hasattr(obj, "to_dict"):
+        return obj
+    result: Obj = obj.to_dict()
+    return result
+
+
+def _error(e: Exception) -> ApiError:
+    if isinstance(e, lightkube.ApiError):
+        status = e.status
+        code = int(status.code or e.response.status_code)
+        reason, message = str(status.reason or e.response.reason_phrase), str(status.message or "")
+    elif isinstance(e, httpx.HTTPStatusError):
+        # lightkube decodes a Status only under exactly `application/json`; take it from any JSON body.
+        code, reason = e.response.status_code, e.response.reason_phrase or "Error"
+        message = e.response.text[:500]
+        try:
+            body = e.response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and body.get("kind") == "Status":
+            reason, message = str(body.get("reason") or reason), str(body.get("message") or message)
+    else:
+        return UnreachableError(0, type(e).__name__, str(e) or type(e).__name__)
+    cls = {404: NotFoundError, 409: ConflictError}.get(code, ApiError)
+    return cls(code, reason, message)
+
+
+class _AuthTransport(httpx.AsyncBaseTransport):
+    """Every request of our client passes here: the in-flight cap, the identity's Authorization header
+    (one retry with a refreshed credential on 401), and the request count."""
+
+    def __init__(
+        self, inner: httpx.AsyncBaseTransport, identity: Identity, max_inflight: int, user_agent: str
+    ) -> None:
+        self._inner = inner
+        self._user_agent = user_agent
+        self._identity = identity
+        self._slots = asyncio.Semaphore(max_inflight)
+        self.max_inflight = max_inflight
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.in_flight = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                response = await self._send(request, refresh=False)
+                if response.status_code == 401 and self._identity.tokens is not None:
+                    await response.aclose()
+                    response = await self._send(request, refresh=True)
+                return response
+            finally:
+                self.in_flight -= 1
+
+    async def _send(self, request: httpx.Request, *, refresh: bool) -> httpx.Response:
+        header = (await self._identity.credential(refresh=refresh)).header()
+        if header:
+            request.headers["Authorization"] = header
+        request.headers["User-Agent"] = self._user_agent
+        try:
+            response = await self._inner.handle_async_request(request)
+        except Exception:
+            self.requests[(request.method, 0)] += 1
+            raise
+        self.requests[(request.method, response.status_code)] += 1
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 class KubeClient:
     """Async client for one API server. Use `KubeClient.from_environment()`; close with `aclose()`.
 
-    Safe to share between tasks (one httpx connection pool); keep one in kopf's memo.
+    Safe to share between tasks (one connection pool); the operator keeps one in kopf's memo.
     """
 
     def __init__(
         self,
-        credentials: Credentials,
+        identity: Identity,
         *,
+        max_inflight: int = 32,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 30.0,
-        attempts: int = 4,
+        attempts: int = 3,
         backoff_base_s: float = 0.25,
         backoff_max_s: float = 5.0,
         user_agent: str = "servedmodel-operator",
     ) -> None:
-        self.credentials = credentials
+        self.identity = identity
         self.attempts = max(1, attempts)
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
-        self._http = httpx.AsyncClient(
-            base_url=credentials.server,
-            verify=credentials.ssl_context() or True,
-            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=10.0),
-            headers={"User-Agent": user_agent, "Accept": "application/json"},
-            auth=httpx.BasicAuth(credentials.username, credentials.password or "")
-            if credentials.username and not credentials.token and not credentials.token_file
-            else None,
+        inner = httpx.AsyncHTTPTransport(
+            verify=identity.ssl_context() or True,
+            limits=httpx.Limits(max_connections=max_inflight, max_keepalive_connections=max_inflight),
+            trust_env=False,
         )
-        self._resources: dict[tuple[str, str], Resource] = {}
+        self._transport = _AuthTransport(inner, identity, max_inflight, user_agent)
+        self._lk = lightkube.AsyncClient(
+            config=identity.tls_config(),
+            namespace=identity.namespace,
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=30.0),
+            trust_env=False,
+            transport=self._transport,
+        )
+        self._by_kind: dict[tuple[str, str], Resource] = {}
+        self._by_plural: dict[tuple[str, str], Resource] = {}
         for r in KNOWN_RESOURCES:
-            self._resources[(r.api_version, r.kind)] = r
-            self._resources[(r.api_version, r.plural)] = r
-        self._discovery: dict[str, tuple[float, Obj | None]] = {}
-        self.request_count = 0  # HTTP requests sent, retries included (the operator exports it)
+            self.register(r)
+        self._discovery: dict[str, tuple[float, bool]] = {}
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
-        """Credentials from `kubeconfig`, $KUBECONFIG, the pod's service account or ~/.kube/config."""
-        return cls(load_credentials(kubeconfig), **kwargs)
+        """Identity from `kubeconfig`, $KUBECONFIG, the pod's service account or ~/.kube/config."""
+        return cls(load_identity(kubeconfig), **kwargs)
+
+    @property
+    def server(self) -> str:
+        return self.identity.server
+
+    @property
+    def requests(self) -> Counter[tuple[str, int]]:
+        """HTTP requests sent by (method, status code; 0 = no answer), retries included."""
+        return self._transport.requests
+
+    @property
+    def request_count(self) -> int:
+        return sum(self._transport.requests.values())
+
+    @property
+    def in_flight(self) -> int:
+        return self._transport.in_flight
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._lk.aclose()
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -157,102 +287,98 @@ class KubeClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # ---- transport -------------------------------------------------------------------------------
+    # ---- resources -------------------------------------------------------------------------------
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, str] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
-    ) -> Obj:
-        """One API call with bounded retries; returns the decoded JSON body (empty dict if none)."""
-        headers = {"Content-Type": content_type} if body is not None else {}
-        token = self.credentials.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        content = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
-        last: ApiError | None = None
-        retry_after: str | None = None
-        for attempt in range(self.attempts):
-            if attempt:
-                await asyncio.sleep(self._delay(attempt, retry_after))
-            self.request_count += 1
-            try:
-                response = await self._http.request(
-                    method, path, params=dict(params or {}), content=content, headers=headers
-                )
-            except httpx.TransportError as e:
-                last = UnreachableError(
-                    0, type(e).__name__, f"{method} {path}: {e!s} ({self.credentials.server})"
-                )
-                log.debug("attempt %d: %s", attempt + 1, last)
-                continue
-            if response.status_code < 400:
-                return response.json() if response.content else {}
-            error = _error_from_response(response)
-            if response.status_code not in RETRY_STATUSES:
-                raise error
-            last = error
-            retry_after = response.headers.get("Retry-After")
-            log.debug("attempt %d: %s", attempt + 1, error)
-        assert last is not None
-        raise last
+    def register(self, r: Resource) -> None:
+        """Make a kind known (e.g. another custom resource); built-in and operator kinds are known."""
+        self._by_kind[(r.api_version, r.kind)] = r
+        self._by_plural[(r.api_version, r.plural)] = r
 
-    def _delay(self, attempt: int, retry_after: str | None) -> float:
-        if retry_after:
-            try:
-                return min(float(retry_after), self.backoff_max_s)
-            except ValueError:
-                pass
-        # Full jitter: spreads the retries of many reconciles hitting the same overloaded server.
-        return random.uniform(0, min(self.backoff_max_s, self.backoff_base_s * 2**attempt))
-
-    # ---- resource resolution and discovery -------------------------------------------------------
-
-    async def _group_version(self, group_version: str) -> Obj | None:
-        """The APIResourceList of a group/version, cached for DISCOVERY_TTL_S; None if not served."""
-        cached = self._discovery.get(group_version)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
-            return cached[1]
-        path = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
-        try:
-            found: Obj | None = await self.request("GET", path)
-        except NotFoundError:
-            found = None
-        self._discovery[group_version] = (now, found)
+    def resource(self, api_version: str, kind_or_plural: str) -> Resource:
+        found = self._by_plural.get((api_version, kind_or_plural)) or self._by_kind.get(
+            (api_version, kind_or_plural)
+        )
+        if found is None:
+            raise NotFoundError(
+                404,
+                "NotFound",
+                f"{kind_or_plural} in {api_version} is not a kind this client knows (register it)",
+            )
         return found
 
-    async def discover(self, group_version: str) -> bool:
-        """Does the server serve this group/version (e.g. route.openshift.io/v1, monitoring.coreos.com/v1)?"""
-        return await self._group_version(group_version) is not None
+    def _res(self, api_version: str, kind_or_plural: str) -> tuple[Resource, Any]:
+        r = self.resource(api_version, kind_or_plural)
+        return r, _lightkube_class(r)
 
-    async def resource(self, api_version: str, kind_or_plural: str) -> Resource:
-        """Resolve a kind ("Deployment") or plural ("deployments") to its Resource."""
-        known = self._resources.get((api_version, kind_or_plural))
-        if known is not None:
-            return known
-        listing = await self._group_version(api_version)
-        for r in (listing or {}).get("resources", []):
-            if "/" in r.get("name", ""):
-                continue  # subresource
-            if kind_or_plural in (r.get("kind"), r.get("name")):
-                found = Resource(api_version, r["kind"], r["name"], bool(r.get("namespaced", True)))
-                self._resources[(api_version, found.kind)] = found
-                self._resources[(api_version, found.plural)] = found
-                return found
-        raise NotFoundError(404, "NotFound", f"the server does not serve {kind_or_plural} in {api_version}")
+    # ---- transport -------------------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """One API call with bounded retries on 429/5xx/connection errors; other errors raise at once."""
+        last: ApiError | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                await asyncio.sleep(
+                    random.uniform(0, min(self.backoff_max_s, self.backoff_base_s * 2**attempt))
+                )
+            try:
+                return await fn()
+            except (lightkube.ApiError, httpx.HTTPError) as e:
+                error = _error(e)
+            if error.status and error.status not in RETRY_STATUSES:
+                raise error
+            last = error
+            log.debug("%s, attempt %d: %s", what, attempt + 1, error)
+        assert last is not None
+        if isinstance(last, UnreachableError):
+            raise UnreachableError(0, last.reason, f"{what}: {last.message} ({self.server})")
+        raise last
+
+    # ---- discovery -------------------------------------------------------------------------------
+
+    async def discover(self, group_version: str) -> bool:
+        """Does the server serve this group/version (route.openshift.io/v1, monitoring.coreos.com/v1)?
+
+        Asked by listing one object of the first known kind of that group/version (a 404 means not
+        served), cached for DISCOVERY_TTL_S."""
+        cached = self._discovery.get(group_version)
+        now = asyncio.get_running_loop().time()
+        if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
+        kinds = [r for r in self._by_kind.values() if r.api_version == group_version]
+        if not kinds:
+            raise NotFoundError(404, "NotFound", f"no known kind in {group_version}")
+        r, cls = kinds[0], _lightkube_class(kinds[0])
+
+        async def probe() -> None:
+            namespace = self.identity.namespace if r.namespaced else None
+            async for _ in self._lk.list(cls, namespace=namespace, chunk_size=1):
+                break
+
+        try:
+            await self._call(f"discover {group_version}", probe)
+            served = True
+        except NotFoundError:
+            served = False
+        except ApiError as e:
+            if e.status != 403:
+                raise
+            served = True  # served, only not listable in that namespace
+        self._discovery[group_version] = (now, served)
+        return served
 
     # ---- reads -----------------------------------------------------------------------------------
 
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Obj | None:
         """The object, or None if it does not exist."""
-        r = await self.resource(api_version, plural)
+        r, cls = self._res(api_version, plural)
+
+        async def call() -> Any:
+            if r.namespaced:
+                return await self._lk.get(cls, name, namespace=namespace)
+            return await self._lk.get(cls, name)
+
         try:
-            return await self.request("GET", r.path(namespace, name))
+            return _to_dict(await self._call(f"GET {r.kind} {namespace}/{name}", call))
         except NotFoundError:
             return None
 
@@ -262,53 +388,55 @@ class KubeClient:
         plural: str,
         namespace: str | None = None,
         *,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
+        label_selector: str | Mapping[str, str | None] | None = None,
+        field_selector: str | Mapping[str, str | None] | None = None,
         page_size: int = 500,
     ) -> ObjList:
         """All matching objects (pages followed); namespace None lists across namespaces."""
-        r = await self.resource(api_version, plural)
-        params: dict[str, str] = {"limit": str(page_size)}
-        if label_selector:
-            params["labelSelector"] = label_selector
-        if field_selector:
-            params["fieldSelector"] = field_selector
-        items: ObjList = []
-        while True:
-            page = await self.request("GET", r.path(namespace), params=params)
-            items.extend(page.get("items") or [])
-            token = (page.get("metadata") or {}).get("continue")
-            if not token:
-                return items
-            params["continue"] = token
+        r, cls = self._res(api_version, plural)
+        labels = parse_label_selector(label_selector) if isinstance(label_selector, str) else label_selector
+        fields = parse_label_selector(field_selector) if isinstance(field_selector, str) else field_selector
+
+        async def call() -> ObjList:
+            ns = (namespace or lightkube.ALL_NS) if r.namespaced else None
+            kwargs: dict[str, Any] = {
+                "chunk_size": page_size,
+                "labels": labels or None,
+                "fields": fields or None,
+            }
+            if r.namespaced:
+                kwargs["namespace"] = ns
+            return [_to_dict(o) async for o in self._lk.list(cls, **kwargs)]
+
+        return await self._call(f"LIST {r.kind} {namespace or '*'}", call)
 
     async def list_endpoint_slices(self, namespace: str, service_name: str) -> ObjList:
-        """EndpointSlices of a Service (label kubernetes.io/service-name), e.g. to find ready engine pods."""
+        """EndpointSlices of a Service (label kubernetes.io/service-name)."""
         return await self.list(
             "discovery.k8s.io/v1",
             "endpointslices",
             namespace,
-            label_selector=f"kubernetes.io/service-name={service_name}",
+            label_selector={"kubernetes.io/service-name": service_name},
         )
 
     # ---- writes ----------------------------------------------------------------------------------
 
     async def apply(self, obj: Obj, field_manager: str, force: bool = True) -> Obj:
-        """Server-side apply `obj` (needs apiVersion, kind, metadata.name[, namespace]); returns the result.
+        """Server-side apply `obj` (apiVersion, kind, metadata.name[, namespace]); returns the result.
 
-        The body is JSON, which is valid apply-patch YAML. With force=True this manager takes over fields
-        another manager set (the operator is the authority on its children).
-        """
+        With force=True this manager takes over fields another manager set (the operator is the
+        authority on its children)."""
         meta = obj.get("metadata") or {}
-        r = await self.resource(obj["apiVersion"], obj["kind"])
-        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
-        return await self.request(
-            "PATCH",
-            r.path(meta.get("namespace"), meta["name"]),
-            params=params,
-            body=obj,
-            content_type="application/apply-patch+yaml",
-        )
+        r, cls = self._res(obj["apiVersion"], obj["kind"])
+        name, namespace = meta["name"], meta.get("namespace")
+
+        async def call() -> Any:
+            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
+            return await self._lk.patch(
+                cls, name, obj, patch_type=PatchType.APPLY, field_manager=field_manager, force=force, **kwargs
+            )
+
+        return _to_dict(await self._call(f"APPLY {r.kind} {namespace}/{name}", call))
 
     async def apply_status(
         self,
@@ -325,24 +453,52 @@ class KubeClient:
 
         `status` holds only the fields this manager owns (e.g. the probe: {"probe": {...}, "conditions":
         [{"type": "Serving", ...}]}). Fields this manager applied before and now omits are removed;
-        other managers' fields stay. status.conditions is a list-map keyed by `type`, so each manager's
-        conditions survive the other's applies. Returns the whole object after the write.
-        """
-        r = await self.resource(api_version, plural)
+        other managers' fields stay (status.conditions is a list-map keyed by `type`; so are a Pod's
+        conditions, which makes this the way to set a readiness-gate condition too). Returns the whole
+        object after the write."""
+        r, cls = self._res(api_version, plural)
         body: Obj = {
             "apiVersion": api_version,
             "kind": r.kind,
             "metadata": {"name": name, **({"namespace": namespace} if namespace else {})},
             "status": status,
         }
-        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
-        return await self.request(
-            "PATCH",
-            r.path(namespace, name, "status"),
-            params=params,
-            body=body,
-            content_type="application/apply-patch+yaml",
-        )
+
+        async def call() -> Any:
+            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
+            return await self._lk.patch(
+                cls.Status,
+                name,
+                body,
+                patch_type=PatchType.APPLY,
+                field_manager=field_manager,
+                force=force,
+                **kwargs,
+            )
+
+        return _to_dict(await self._call(f"APPLY {r.kind}/status {namespace}/{name}", call))
+
+    async def patch(self, api_version: str, plural: str, namespace: str | None, name: str, patch: Obj) -> Obj:
+        """A JSON merge patch of the object (metadata.resourceVersion in it makes it conditional)."""
+        r, cls = self._res(api_version, plural)
+
+        async def call() -> Any:
+            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
+            return await self._lk.patch(cls, name, patch, patch_type=PatchType.MERGE, **kwargs)
+
+        return _to_dict(await self._call(f"PATCH {r.kind} {namespace}/{name}", call))
+
+    async def patch_status(
+        self, api_version: str, plural: str, namespace: str | None, name: str, patch: Obj
+    ) -> Obj:
+        """A JSON merge patch of /status (e.g. {"status": {...}}); prefer `apply_status`."""
+        r, cls = self._res(api_version, plural)
+
+        async def call() -> Any:
+            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
+            return await self._lk.patch(cls.Status, name, patch, patch_type=PatchType.MERGE, **kwargs)
+
+        return _to_dict(await self._call(f"PATCH {r.kind}/status {namespace}/{name}", call))
 
     async def delete(
         self,
@@ -354,13 +510,14 @@ class KubeClient:
         propagation: str = "Background",
     ) -> bool:
         """Delete the object; False if it was already gone."""
-        r = await self.resource(api_version, plural)
+        r, cls = self._res(api_version, plural)
+
+        async def call() -> None:
+            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
+            await self._lk.delete(cls, name, cascade=CascadeType(propagation), **kwargs)
+
         try:
-            await self.request(
-                "DELETE",
-                r.path(namespace, name),
-                body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation},
-            )
+            await self._call(f"DELETE {r.kind} {namespace}/{name}", call)
         except NotFoundError:
             return False
         return True
@@ -378,26 +535,32 @@ class KubeClient:
         meta = involved.get("metadata") or {}
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         namespace = meta.get("namespace") or "default"
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{meta.get('name', 'object')}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": involved.get("apiVersion"),
-                "kind": involved.get("kind"),
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace"),
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "type": type,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": component},
-            "reportingComponent": component,
-            "reportingInstance": component,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        return await self.request("POST", f"/api/v1/namespaces/{namespace}/events", body=event)
+        event = _lightkube_class(self.resource("v1", "Event"))(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta.get('name', 'object')}.", "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": involved.get("apiVersion"),
+                    "kind": involved.get("kind"),
+                    "name": meta.get("name"),
+                    "namespace": meta.get("namespace"),
+                    "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion"),
+                },
+                "type": type,
+                "reason": reason,
+                "message": message[:1024],
+                "source": {"component": component},
+                "reportingComponent": component,
+                "reportingInstance": component,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+        )
+
+        async def call() -> Any:
+            return await self._lk.create(event)
+
+        return _to_dict(await self._call(f"POST Event {namespace}", call))
