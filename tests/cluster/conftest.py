@@ -159,17 +159,10 @@ def operator(
     start_operator: Callable[..., OperatorProcess],
     namespace: str,
     control_plane: controlplane.ControlPlane,
-    request: pytest.FixtureRequest,
-) -> Iterator[OperatorProcess]:
+) -> OperatorProcess:
     """`servedmodel run --namespace <the test's namespace>`, healthy.
 
-    At teardown the test's ServedModels are deleted while the operator still runs: kopf holds a
-    finalizer on them (for its timers and daemons) and must be there to release it, or the
-    namespace would stay Terminating for the rest of the session.
+    No finalizer holds ServedModels (the control loop runs no per-object kopf timers or daemons), so
+    teardown needs nothing from the operator: the namespace fixture's delete takes everything with it.
     """
-    op = start_operator(namespaces=[namespace])
-    yield op
-    if any(o.alive() for o in request.node.stash.get(OPERATORS, [])):  # this one, or a test's restart
-        control_plane.kubectl(
-            "delete", "servedmodels", "--all", "-n", namespace, "--wait=true", "--timeout=30s", check=False
-        )
+    return start_operator(namespaces=[namespace])

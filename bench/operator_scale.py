@@ -1,0 +1,342 @@
+"""The control loop at scale: N ServedModels applied at once on the local control plane.
+
+Method
+- One control plane (hack/controlplane.py: real kube-apiserver, controller-manager, scheduler; kwok with a
+  fake node that admits 5,000 pods and a /16 Service range). The ServedModels use the simulator engine
+  with `resources.gpus: 0`, so GPUs do not limit scheduling and kwok makes every pod Ready.
+- One simulator on 127.0.0.1; the operator runs as a subprocess (`servedmodel run -n bench`) with
+  SERVEDMODEL_ENDPOINT_OVERRIDE pointing at it, so every probe goes to that one simulator.
+- The N ServedModels are created in parallel (16 connections) as fast as the API server takes them; a
+  `kubectl get sm -w` stream stamps, per object, when its phase first became Ready and when
+  status.probe.lastProbeTime first appeared.
+- Idle: after all are Ready (and probed, unless --no-probe), `--idle` seconds of nothing; the operator's
+  /metrics before and after give its own API requests, the reconciler's status writes and the probe's.
+- Delete: all N deleted at once (`kubectl delete sm --all --wait=false`); gone = the ServedModels and
+  their Deployments no longer listed.
+- The operator's RSS (VmRSS, sampled every second; the max) and CPU seconds (utime + stime).
+
+    .venv/bin/python bench/operator_scale.py -n 100
+    .venv/bin/python bench/operator_scale.py -n 1000 --idle 60
+    .venv/bin/python bench/operator_scale.py -n 3000 --idle 60 --timeout 900
+
+Never a test: it prints a table (markdown with --markdown) for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from servedmodel.sim.process import SimulatorProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "hack"))
+import controlplane  # noqa: E402  (hack/ is tooling, not a package)
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+NAMESPACE = "bench"
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": f"m{i:04d}", "namespace": NAMESPACE},
+        "spec": {
+            "model": MODEL,
+            "engine": {"kind": "simulator"},
+            "resources": {"gpus": 0},
+            "probe": {"enabled": probe, "interval": probe_interval},
+        },
+    }
+
+
+def scrape(port: int) -> Metrics:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("servedmodel_")
+    }
+
+
+def total(m: Metrics, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
+
+
+class Proc:
+    """RSS and CPU of one process from /proc."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.max_rss_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def rss_mb(self) -> float:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except FileNotFoundError:
+            pass
+        return 0.0
+
+    def cpu_s(self) -> float:
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(1.0):
+            self.max_rss_mb = max(self.max_rss_mb, self.rss_mb())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Watch:
+    """`kubectl get sm -w` as one line per event: name, phase, lastProbeTime; stamps first sightings."""
+
+    def __init__(self, cp: controlplane.ControlPlane) -> None:
+        columns = "NAME:.metadata.name,PHASE:.status.phase,PROBE:.status.probe.lastProbeTime"
+        cmd = [str(cp.bin_dir / "kubectl"), f"--kubeconfig={cp.kubeconfig}", "get", "sm", "-n", NAMESPACE]
+        self.proc = subprocess.Popen(
+            [*cmd, "-w", "--no-headers", "-o", f"custom-columns={columns}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.ready: dict[str, float] = {}
+        self.probed: dict[str, float] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            now = time.monotonic()
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            name, phase, probe = parts[0], parts[1], parts[2]
+            with self.lock:
+                if phase == "Ready":
+                    self.ready.setdefault(name, now)
+                if probe != "<none>":
+                    self.probed.setdefault(name, now)
+
+    def counts(self) -> tuple[int, int]:
+        with self.lock:
+            return len(self.ready), len(self.probed)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def pct(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def count(cp: controlplane.ControlPlane, what: str) -> int:
+    out = cp.kubectl("get", what, "-n", NAMESPACE, "--no-headers", "-o", "name", timeout=120).stdout
+    return len(out.split())
+
+
+def run(args: argparse.Namespace) -> list[tuple[str, str]]:
+    n = args.n
+    with controlplane.running() as cp, SimulatorProcess([MODEL, "--max-model-len", "4096"]) as sim:
+        cp.kubectl(
+            "apply", "--server-side", "-f", str(ROOT / "crds/inference.servedmodel.io_servedmodels.yaml")
+        )
+        cp.wait_established("servedmodels.inference.servedmodel.io")
+        cp.kubectl("create", "namespace", NAMESPACE)
+        health, metrics_port = controlplane.free_ports(2)
+        env = {
+            **os.environ,
+            **cp.env,
+            "SERVEDMODEL_HEALTH_PORT": str(health),
+            "SERVEDMODEL_METRICS_PORT": str(metrics_port),
+            "SERVEDMODEL_ENDPOINT_OVERRIDE": sim.base_url,
+        }
+        log = open(args.log, "wb") if args.log else subprocess.DEVNULL  # noqa: SIM115
+        command = [
+            sys.executable,
+            "-m",
+            "servedmodel.cli",
+            "run",
+            "-n",
+            NAMESPACE,
+            "--bind-address",
+            "127.0.0.1",
+        ]
+        operator = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = Proc(operator.pid)
+        watch = Watch(cp)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or operator.poll() is not None:
+                        raise RuntimeError("the operator did not become healthy") from None
+                    time.sleep(0.2)
+            cpu_start, rss_start = proc.cpu_s(), proc.rss_mb()
+            base = scrape(metrics_port)
+
+            created: dict[str, float] = {}
+
+            def create(i: int) -> None:
+                obj = servedmodel(i, args.probe_interval, not args.no_probe)
+                cp.request(
+                    "POST",
+                    f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels",
+                    obj,
+                )
+                created[obj["metadata"]["name"]] = time.monotonic()
+
+            t_apply = time.monotonic()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(create, range(n)))
+            t_created = time.monotonic()
+            want_probed = 0 if args.no_probe else n
+            deadline = t_apply + args.timeout
+            while time.monotonic() < deadline:
+                ready, probed = watch.counts()
+                if ready >= n and probed >= want_probed:
+                    break
+                time.sleep(0.5)
+            t_settled = time.monotonic()
+            busy = scrape(metrics_port)
+            cpu_busy = proc.cpu_s()
+
+            time.sleep(args.idle)
+            idle = scrape(metrics_port)
+            rss_idle = proc.rss_mb()
+            cpu_idle = proc.cpu_s()
+
+            t_delete = time.monotonic()
+            cp.kubectl("delete", "sm", "--all", "-n", NAMESPACE, "--wait=false", timeout=300)
+            sm_gone = deploy_gone = None
+            while time.monotonic() < t_delete + args.timeout:
+                if sm_gone is None and count(cp, "servedmodels") == 0:
+                    sm_gone = time.monotonic() - t_delete
+                if sm_gone is not None and count(cp, "deployments") == 0:
+                    deploy_gone = time.monotonic() - t_delete
+                    break
+                time.sleep(1.0)
+            cpu_end = proc.cpu_s()
+        finally:
+            watch.stop()
+            proc.stop()
+            operator.send_signal(signal.SIGTERM)
+            try:
+                operator.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+                operator.wait()
+
+    ready_s = sorted(watch.ready[k] - created[k] for k in watch.ready if k in created)
+    probe_s = sorted(watch.probed[k] - watch.ready[k] for k in watch.probed if k in watch.ready)
+    busy_s = max(t_settled - t_apply, 1e-9)
+
+    def delta(a: Metrics, b: Metrics, name: str, **labels: str) -> float:
+        return total(b, name, **labels) - total(a, name, **labels)
+
+    req = "servedmodel_kube_api_requests"
+    writes = "servedmodel_status_writes_total"
+    probe_writes = "servedmodel_probe_status_writes_total"
+
+    def fmt(values: list[float]) -> str:
+        if not values:
+            return "—"
+        return f"{pct(values, 50):.1f} / {pct(values, 95):.1f} / {values[-1]:.1f}"
+
+    return [
+        ("ServedModels created / Ready / probed", f"{n} / {len(ready_s)} / {len(probe_s)}"),
+        ("create all (16 parallel POSTs), s", f"{t_created - t_apply:.1f}"),
+        ("create → Ready, s (p50 / p95 / max)", fmt(ready_s)),
+        ("Ready → first probe in status, s (p50 / p95 / max)", fmt(probe_s)),
+        ("first create → all Ready (and probed), s", f"{t_settled - t_apply:.1f}"),
+        (
+            "operator API requests while busy: total / per s / per ServedModel",
+            f"{delta(base, busy, req):.0f} / {delta(base, busy, req) / busy_s:.1f} / "
+            f"{delta(base, busy, req) / n:.1f}",
+        ),
+        (
+            f"idle {args.idle:.0f} s: API requests / reconciler status writes / probe status writes",
+            f"{delta(busy, idle, req):.0f} / {delta(busy, idle, writes):.0f} / "
+            f"{delta(busy, idle, probe_writes):.0f}",
+        ),
+        (
+            f"idle {args.idle:.0f} s: probe writes per probe cycle (interval {args.probe_interval} s)",
+            "—"
+            if args.no_probe
+            else f"{delta(busy, idle, probe_writes) / max(1.0, n * args.idle / args.probe_interval):.2f}",
+        ),
+        (
+            "delete all → ServedModels gone / Deployments gone, s",
+            f"{sm_gone or float('nan'):.1f} / {deploy_gone or float('nan'):.1f}",
+        ),
+        (
+            "operator RSS, MB (started / max / idle)",
+            f"{rss_start:.0f} / {proc.max_rss_mb:.0f} / {rss_idle:.0f}",
+        ),
+        (
+            "operator CPU s (until all Ready / idle / delete)",
+            f"{cpu_busy - cpu_start:.1f} / {cpu_idle - cpu_busy:.1f} / {cpu_end - cpu_idle:.1f}",
+        ),
+        ("load average at the end (1 / 5 / 15 min)", " / ".join(f"{x:.1f}" for x in os.getloadavg())),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-n", type=int, default=100, help="ServedModels (default 100)")
+    parser.add_argument("--idle", type=float, default=60.0, help="idle seconds after all Ready (default 60)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many s")
+    parser.add_argument("--probe-interval", type=int, default=60, help="spec.probe.interval (default 60)")
+    parser.add_argument("--no-probe", action="store_true", help="spec.probe.enabled: false")
+    parser.add_argument("--log", type=Path, default=None, help="write the operator's log here")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args()
+    rows = run(args)
+    if args.markdown:
+        print(f"| N = {args.n} | |\n|---|---|")
+        for key, value in rows:
+            print(f"| {key} | {value} |")
+    else:
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

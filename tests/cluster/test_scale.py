@@ -1,0 +1,95 @@
+"""A few hundred ServedModels at once through the control loop: all become Ready, and once they are,
+the operator's own API traffic stays flat (counted from its request counter, never timed).
+
+Kept short for CI (SCALE_N ServedModels, simulator engine with no GPU, probing off so the only writer
+would be the reconciler). bench/operator_scale.py measures the same at 100 / 1,000 / 3,000.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from cluster_support import wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+import controlplane
+
+# The `operator` fixture's OperatorProcess (tests/cluster/conftest.py; conftests are not importable).
+OperatorProcess = Any
+
+pytestmark = pytest.mark.cluster
+
+SCALE_N = int(os.environ.get("SERVEDMODEL_SCALE_N", "200"))
+IDLE_S = 15.0  # an idle window to count requests in, not a bound on anything
+
+
+def metric(op: OperatorProcess, sample: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(op.metrics())
+        for s in fam.samples
+        if s.name == sample and set(labels.items()) <= set(s.labels.items())
+    )
+
+
+def body(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name},
+        "spec": {
+            "model": "Qwen/Qwen2.5-0.5B-Instruct",
+            "engine": {"kind": "simulator"},
+            "resources": {"gpus": 0},
+            "probe": {"enabled": False},
+        },
+    }
+
+
+def phases(cp: controlplane.ControlPlane, namespace: str) -> dict[str, str]:
+    out = cp.kubectl("get", "sm", "-n", namespace, "-o", "json", timeout=120).stdout
+    return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in json.loads(out)["items"]}
+
+
+def test_hundreds_become_ready_and_idle_traffic_stays_flat(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    cp = control_plane
+    path = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{namespace}/servedmodels"
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: cp.request("POST", path, body(f"m{i:03d}")), range(SCALE_N)))
+
+    def all_ready() -> bool:
+        seen = phases(cp, namespace)
+        return len(seen) == SCALE_N and all(p == "Ready" for p in seen.values())
+
+    wait_for(
+        f"{SCALE_N} ServedModels Ready", all_ready, timeout=240, interval=2.0, detail=lambda: operator.log(40)
+    )
+    busy_requests = metric(operator, "servedmodel_kube_api_requests")
+    busy_writes = metric(operator, "servedmodel_status_writes_total")
+    applied = metric(operator, "servedmodel_reconcile_total", result="applied")
+    # Every child applied about once per ServedModel: the loop does not re-apply on child events.
+    assert applied <= SCALE_N * 1.2, applied
+
+    # Let the last events drain, then count an idle window: no reconciler writes, and the operator's
+    # requests do not grow with the number of ServedModels.
+    time.sleep(3.0)
+    before = metric(operator, "servedmodel_kube_api_requests")
+    writes = metric(operator, "servedmodel_status_writes_total")
+    time.sleep(IDLE_S)
+    idle_requests = metric(operator, "servedmodel_kube_api_requests") - before
+    assert metric(operator, "servedmodel_status_writes_total") == writes
+    assert idle_requests <= 5, f"{idle_requests} API requests while idle with {SCALE_N} ServedModels"
+    assert busy_requests < SCALE_N * 8, f"{busy_requests} requests for {SCALE_N} ServedModels"
+    assert busy_writes >= SCALE_N  # each wrote its status at least once (Pending → Ready)
+
+    # No finalizer: deleting them all does not wait on the operator.
+    cp.kubectl("delete", "sm", "--all", "-n", namespace, "--wait=true", "--timeout=120s", timeout=180)
+    assert phases(cp, namespace) == {}
+    assert operator.alive()

@@ -1,0 +1,76 @@
+"""When the control loop applies children (reconcile.why_apply / differs) and when it defers a status
+write (deployment_lagging): pure decisions, checked without an API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servedmodel import status as st
+from servedmodel.k8s import Cache
+from servedmodel.reconcile import deployment_lagging, differs, why_apply
+
+
+def deployment(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "m", "namespace": "a", "labels": {"app": "x"}},
+        "spec": {
+            "replicas": 1,
+            "template": {"spec": {"containers": [{"name": "engine", "ports": [{"containerPort": 8000}]}]}},
+            **spec,
+        },
+    }
+
+
+def body(generation: int = 2, observed: int = 2, degraded_reason: str = "AsExpected") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "m", "namespace": "a", "generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "conditions": [{"type": "Degraded", "status": "False", "reason": degraded_reason}],
+        },
+    }
+
+
+def test_server_defaults_are_not_a_difference() -> None:
+    live = deployment()
+    live["metadata"]["uid"] = "u"
+    live["spec"]["template"]["spec"]["containers"][0]["ports"][0]["protocol"] = "TCP"
+    live["spec"]["strategy"] = {"type": "RollingUpdate"}
+    live["status"] = {"replicas": 1}
+    assert not differs(deployment(), live)
+
+
+def test_a_changed_value_or_list_is_a_difference() -> None:
+    assert differs(deployment(replicas=2), deployment())
+    shorter = deployment()
+    shorter["spec"]["template"]["spec"]["containers"] = []
+    assert differs(deployment(), shorter)
+    assert differs({"a": True}, {"a": 1})
+    assert not differs({"a": 1}, {"a": 1.0})
+
+
+def test_why_apply() -> None:
+    cache = Cache()
+    desired = [deployment()]
+    # Nothing fed: only the generation decides.
+    assert why_apply(body(), desired, cache) is None
+    assert why_apply(body(generation=3), desired, cache) == "new generation"
+    assert why_apply(body(degraded_reason="ApplyFailed"), desired, cache) == "the last apply failed"
+    cache.track("Deployment")
+    assert why_apply(body(), desired, cache) == "Deployment/m missing"
+    cache.upsert("Deployment", deployment())
+    assert why_apply(body(), desired, cache) is None
+    cache.upsert("Deployment", deployment(replicas=3))
+    assert why_apply(body(), desired, cache) == "Deployment/m changed"
+
+
+def test_deployment_lagging() -> None:
+    dep = deployment()
+    dep["metadata"]["generation"] = 3
+    dep["status"] = {"observedGeneration": 2}
+    assert deployment_lagging(st.Observed(deployment=dep))
+    dep["status"]["observedGeneration"] = 3
+    assert not deployment_lagging(st.Observed(deployment=dep))
+    assert not deployment_lagging(st.Observed())
