@@ -19,6 +19,14 @@ def sim() -> Iterator[SimulatorProcess]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def sim_handoff() -> Iterator[SimulatorProcess]:
+    """A simulator with vLLM-CPU's API server -> engine hand-off and prompt_tokens_details in usage."""
+    args = [*SIM_ARGS, "--sim-handoff-ms", "3", "--enable-prompt-tokens-details"]
+    with SimulatorProcess(args, ready_timeout=60) as s:
+        yield s
+
+
 @pytest.fixture
 def faults(sim: SimulatorProcess) -> Iterator[SimulatorProcess]:
     """The module's simulator with faults reset before and after the test."""

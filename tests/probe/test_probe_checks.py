@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from servedmodel.probe.checks import check_limits, check_stop, check_template, check_usage, family_of
+from servedmodel.probe.checks import (
+    LearnedStop,
+    check_limits,
+    check_stop,
+    check_streaming,
+    check_template,
+    check_usage,
+    family_of,
+    pick_stop_string,
+)
 from servedmodel.probe.metrics import WindowDelta
+from servedmodel.probe.sse import Delivery
 
 # token_strs of Qwen2.5's ChatML rendering (byte-level BPE: Ċ is a newline), as /tokenize returns them
 SYSTEM_TURN = ["<|im_start|>", "system", "Ċ", "You", "Ġare", "Ġhelpful", "<|im_end|>", "Ċ"]
@@ -93,6 +103,71 @@ def test_stop(content: str, finish: str, stop_reason: str | None, want: tuple[st
 
 def test_stop_skipped_without_stop_strings() -> None:
     assert check_stop([], "x", "length", None).result == "Skipped"
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["eg  Rout tokenizer 随机 glyph salad zq", "aaaa aaaa aaaa bbbb", "x y", "[probe 12345678] Repeat"],
+)
+def test_picked_stop_string_first_occurs_where_picked(content: str) -> None:
+    picked = pick_stop_string(content)
+    assert picked is not None
+    stop, offset = picked
+    assert offset > 0
+    assert content.find(stop) == offset
+    assert stop == stop.strip()
+
+
+def test_nothing_to_learn_from_a_tiny_or_blank_answer() -> None:
+    assert pick_stop_string("a") is None
+    assert pick_stop_string("   ") is None
+    assert pick_stop_string("\ufffd\ufffd\ufffd") is None
+
+
+def test_picked_stop_avoids_the_probes_own_stop_strings() -> None:
+    picked = pick_stop_string("one two three four", avoid=["four", "three"])
+    assert picked is not None
+    assert "four" not in picked[0]
+    assert "three" not in picked[0]
+
+
+FIRST = "ab cd ef gh ij"
+
+
+@pytest.mark.parametrize(
+    ("learned", "want"),
+    [
+        (LearnedStop("ef", 6, FIRST, "ab cd ", "stop", "ef", 3, 5), ("Pass", "StoppedAtLearnedStop")),
+        (LearnedStop("ef", 6, FIRST, FIRST, "length", None, 5, 5), ("Fail", "StopIgnored")),
+        (LearnedStop("ef", 6, FIRST, "ab cd ", "stop", None, 3, 5), ("Fail", "StopNotHonoured")),
+        (LearnedStop("ef", 6, FIRST, "zz yy", "length", None, 3, 5), ("Skipped", "OutputNotRepeatable")),
+        (LearnedStop(None, first="a"), ("Skipped", "OutputTooShort")),
+        (LearnedStop("ef", 6, FIRST, error="HTTP 500: boom"), ("Fail", "StopRequestFailed")),
+    ],
+)
+def test_learned_stop(learned: LearnedStop, want: tuple[str, str]) -> None:
+    """The model never says the probe's stop string (dummy weights): the verdict rests on the stop
+    string learned from its own answer."""
+    c = check_stop(["five"], FIRST, "length", None, learned)
+    assert (c.result, c.reason) == want
+
+
+def test_own_stop_reached_needs_no_learning() -> None:
+    learned = LearnedStop("ef", 6, FIRST, FIRST, "length", None)
+    c = check_stop(["five"], "one two ", "stop", "five", learned)
+    assert (c.result, c.reason) == ("Pass", "StoppedAtStop")
+
+
+def test_streaming_check() -> None:
+    live = Delivery(False, 16, 16, 16, 90.0, 90.2, 6.0)
+    assert check_streaming(live).result == "Pass"
+    shared = check_streaming(Delivery(False, 16, 8, 8, 90.0, None, None))
+    assert (shared.result, shared.reason) == ("Pass", "TokensStreamed")
+    assert "8 token(s) shared a chunk" in shared.message
+    lump = check_streaming(Delivery(True, 16, 16, 1, 0.1, 90.0, 6.0))
+    assert (lump.result, lump.reason) == ("Fail", "CoalescedStream")
+    assert "server decode 90.00 ms" in lump.message
+    assert check_streaming(Delivery(False, 1, 1, 1, None, None, None)).result == "Skipped"
 
 
 def window(prompt: float, gen: float, done: float = 1) -> WindowDelta:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,8 +12,8 @@ from servedmodel.api.status import ServedModelStatus
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.errors import CONNECTION_REFUSED, ProbeFailure
 from servedmodel.probe.metrics import Histo, MetricsSnapshot, delta
-from servedmodel.probe.report import build_status, probe_conditions, slo_verdict
-from servedmodel.probe.sse import StreamTiming, client_figures
+from servedmodel.probe.report import build_status, handoff_ms, probe_conditions, slo_verdict
+from servedmodel.probe.sse import StreamTiming, client_figures, delivery
 
 T0 = datetime(2026, 11, 29, 19, 0, 0, tzinfo=UTC)
 
@@ -145,3 +146,43 @@ def test_conditions_and_transition_times() -> None:
     # TemplateOK keeps its verdict (and time) while probes fail
     assert conds2["TemplateOK"].status == "True"
     assert conds2["TemplateOK"].last_transition_time == "2026-11-29T19:00:00Z"
+
+
+def test_coalesced_stream_writes_no_ttft_tpot_itl() -> None:
+    """A stream delivered in one lump: TPOT ~ 0 and TTFT ~ e2e would be lies; e2e and the door stay."""
+    out = outcome(20.0, 0.01, T0)
+    out.delivery = delivery(out.figures)  # type: ignore[arg-type]
+    assert out.delivery.coalesced
+    previous = build_status(outcome(20.0, 5.0, T0), ProbeSpec(), None)
+    st = build_status(out, ProbeSpec(), previous)
+    assert st.client is not None
+    assert (st.client.ttft_ms, st.client.tpot_ms, st.client.itl_p50_ms, st.client.itl_p95_ms) == (None,) * 4
+    assert st.client.e2e_ms is not None
+    assert st.client.headers_ms == 1.0
+    assert st.window is not None
+    assert st.window.recent_ttft_ms == [20.0]  # the previous probe's only
+    assert st.window.recent_tpot_ms == [5.0]
+    assert len(st.window.recent_e2e_ms) == 2
+    assert "lumps" in (st.message or "")
+
+
+def test_handoff_is_ttft_minus_queue_and_prefill() -> None:
+    out = outcome(20.0, 5.0, T0)
+    assert out.window is not None
+    out.window = dataclasses.replace(
+        out.window, phases_ms={"ttft": 14.0, "queue": 0.5, "prefill": 10.5, "decode": 18.0}
+    )
+    st = build_status(out, ProbeSpec(), None)
+    assert st.server is not None
+    assert st.server.handoff_ms == 3.0
+    assert "handoff 3.0" in (st.message or "")
+    assert handoff_ms({"ttft": 1.0, "queue": 0.6, "prefill": 0.6}) == 0.0  # rounding never goes negative
+    assert handoff_ms({"ttft": 1.0}) is None
+
+
+def test_cached_prompt_tokens_in_usage() -> None:
+    out = outcome(20.0, 5.0, T0)
+    out.cached_prompt_tokens = 16
+    st = build_status(out, ProbeSpec(), None)
+    assert st.usage is not None
+    assert st.usage.cached_prompt_tokens == 16

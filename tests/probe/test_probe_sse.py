@@ -7,7 +7,14 @@ import json
 import pytest
 
 from servedmodel.probe.errors import MALFORMED_STREAM, ProbeFailure
-from servedmodel.probe.sse import SSEDecoder, StreamTiming, client_figures, percentile
+from servedmodel.probe.sse import (
+    ClientFigures,
+    SSEDecoder,
+    StreamTiming,
+    client_figures,
+    delivery,
+    percentile,
+)
 
 
 def chunk(delta: dict[str, object], finish: str | None = None, stop_reason: object = None) -> str:
@@ -135,3 +142,123 @@ def test_data_after_done_is_malformed() -> None:
 def test_percentile_matches_linear_interpolation(values: list[float], q: float, want: float | None) -> None:
     got = percentile([float(v) for v in values], q)
     assert got == (pytest.approx(want) if want is not None else None)
+
+
+def feed(t: StreamTiming, events: list[tuple[float, str]]) -> StreamTiming:
+    for at_ms, data in events:
+        t.on_event(data, int(at_ms * 1e6))
+    return t
+
+
+def cont(delta: dict[str, object], completion: int, finish: str | None = None) -> str:
+    """A chunk with continuous usage stats (every chunk says how many tokens so far)."""
+    choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    usage = {"prompt_tokens": 31, "total_tokens": 31 + completion, "completion_tokens": completion}
+    return json.dumps({"choices": [choice], "usage": usage})
+
+
+def test_held_back_tokens_are_tokens() -> None:
+    """vLLM with a stop string holds back its possible start: the chunk of such a token has empty text.
+    It is still a token: TTFT is its chunk, not the first one with text."""
+    t = feed(
+        StreamTiming(sent_ns=0),
+        [
+            (10, json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
+            (10, json.dumps({"choices": [{"index": 0, "delta": {"content": ""}}]})),  # 'one' held back
+            (15, json.dumps({"choices": [{"index": 0, "delta": {"content": "one "}}]})),
+            (20, json.dumps({"choices": [{"index": 0, "delta": {"content": "two "}}]})),
+            (
+                25,
+                json.dumps(
+                    {"choices": [{"index": 0, "delta": {"content": "th"}, "finish_reason": "length"}]}
+                ),
+            ),
+            (26, "[DONE]"),
+        ],
+    )
+    f = client_figures(t)
+    assert t.token_ns == [10_000_000, 15_000_000, 20_000_000, 25_000_000]
+    assert f.ttft_ms == pytest.approx(10.0)
+    assert f.tpot_ms == pytest.approx(5.0)
+    assert t.content == "one two th"
+
+
+def test_finish_chunk_without_a_token_is_not_one() -> None:
+    t = feed(
+        StreamTiming(sent_ns=0),
+        [
+            (10, json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]})),
+            (20, json.dumps({"choices": [{"index": 0, "delta": {"content": "b"}}]})),
+            (21, json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})),
+        ],
+    )
+    assert len(t.token_ns) == 2
+
+
+def test_continuous_usage_counts_tokens_per_chunk() -> None:
+    """Two tokens a chunk: ITL gives one sample per token (gap / 2), TPOT spans the tokens after the first
+    chunk, and the role chunk (0 tokens) is no token."""
+    t = feed(
+        StreamTiming(sent_ns=0),
+        [
+            (8, cont({"role": "assistant", "content": ""}, 0)),
+            (8, cont({"content": "a b"}, 2)),
+            (18, cont({"content": " c d"}, 4)),
+            (28, cont({"content": " e f"}, 6, finish="length")),
+            (
+                28,
+                json.dumps(
+                    {
+                        "choices": [],
+                        "usage": {"prompt_tokens": 31, "total_tokens": 37, "completion_tokens": 6},
+                    }
+                ),
+            ),
+            (29, "[DONE]"),
+        ],
+    )
+    f = client_figures(t)
+    assert t.chunk_tokens == [2, 2, 2]
+    assert f.completion_tokens == 6
+    assert f.itl_ms == pytest.approx([5.0, 5.0, 5.0, 5.0])
+    assert f.tpot_ms == pytest.approx(20.0 / 4)
+    assert f.ttft_ms == pytest.approx(8.0)
+
+
+def test_cached_tokens_from_prompt_tokens_details() -> None:
+    t = StreamTiming(sent_ns=0)
+    usage = {
+        "prompt_tokens": 46,
+        "total_tokens": 50,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    t.on_event(json.dumps({"choices": [], "usage": usage}), 1)
+    assert t.usage is not None
+    assert t.usage["cached_tokens"] == 32
+    assert client_figures(t).cached_tokens == 32
+
+
+def lumped(gaps_ms: list[float]) -> ClientFigures:
+    t = StreamTiming(sent_ns=0)
+    now = 20.0
+    for i, gap in enumerate([0.0, *gaps_ms]):
+        now += gap
+        t.on_event(json.dumps({"choices": [{"index": 0, "delta": {"content": f"w{i} "}}]}), int(now * 1e6))
+    t.on_event("[DONE]", int(now * 1e6))
+    return client_figures(t)
+
+
+def test_delivery_flags_a_lump_and_passes_a_live_stream() -> None:
+    one_lump = delivery(lumped([0.01] * 15))
+    assert one_lump.coalesced
+    assert one_lump.bursts == 1
+    # first token alone, then the rest at once: still lumps
+    assert delivery(lumped([30.0, *[0.01] * 14])).coalesced
+    live = delivery(lumped([6.0] * 15))
+    assert not live.coalesced
+    assert live.bursts == 16
+    # the server's own decode time exposes a stream whose client span is far too short
+    assert delivery(lumped([0.5] * 15), server_decode_ms=90.0, server_tpot_ms=6.0).coalesced
+    assert not delivery(lumped([6.0] * 15), server_decode_ms=90.0, server_tpot_ms=6.0).coalesced
+    assert "16 tokens in 16 chunks" in live.describe()

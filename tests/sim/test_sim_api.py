@@ -167,15 +167,36 @@ def test_oversized_prompt_is_400(sim: SimulatorProcess) -> None:
 
 
 def test_max_tokens_beyond_context_is_clamped_not_refused(sim: SimulatorProcess) -> None:
+    """prompt + max_tokens over the context: clamped (vLLM 0.33), not the old 400."""
     r = client(sim).chat.completions.create(
         model="qwen",
         messages=[{"role": "user", "content": "hi " * 1000}],
-        max_tokens=5000,
+        max_tokens=1500,
         extra_body={"ignore_eos": True},
     )
     assert r.usage is not None
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 2048
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_over_max_model_len_is_refused(sim: SimulatorProcess, param: str) -> None:
+    """An output budget over the whole context is refused at the door, naming the parameter sent."""
+    r = httpx.post(
+        f"{sim.base_url}/v1/chat/completions",
+        json={"model": "qwen", "messages": [{"role": "user", "content": "hi"}], param: 5000},
+        timeout=5,
+    )
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": {
+            "message": f"{param}=5000 cannot be greater than max_model_len=2048. Please request fewer "
+            f"output tokens. (parameter={param}, value=5000)",
+            "type": "BadRequestError",
+            "param": param,
+            "code": 400,
+        }
+    }
 
 
 def test_tokenize_count_equals_usage_prompt_tokens(sim: SimulatorProcess) -> None:
@@ -279,6 +300,78 @@ def test_stop_string_across_token_boundaries_is_not_sent(sim: SimulatorProcess) 
                 finish = chunk.choices[0].finish_reason
                 stop_reason = (chunk.choices[0].model_extra or {}).get("stop_reason")
     assert (text, finish, stop_reason) == ("Count: one two thr", "stop", "ee fo")
+
+
+def stream_events(sim: SimulatorProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The streamed chunks of one request, as JSON (without [DONE])."""
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_one_chunk_per_token_while_a_stop_string_is_held_back(sim: SimulatorProcess) -> None:
+    """vLLM streams a chunk for every engine step; text that could start a stop string is held back,
+    so such a token's chunk carries `"content": ""` (it is not skipped). continuous_usage_stats counts
+    one more token in every chunk."""
+    body = {
+        "model": "qwen",
+        "messages": COUNT,
+        "stop": ["zzzzzz"],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    events = stream_events(sim, body)
+    role, *tokens, usage = events
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["usage"]["completion_tokens"] == 0
+    assert [e["usage"]["completion_tokens"] for e in tokens] == list(range(1, 9))
+    texts = [e["choices"][0]["delta"]["content"] for e in tokens]
+    assert texts[0] == ""  # the first token's few characters could start "zzzzzz": held back
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 8
+
+
+def test_prompt_tokens_details_with_the_flag() -> None:
+    body = {"model": "qwen", "messages": COUNT, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with SimulatorProcess([*BASE_ARGS, "--enable-prompt-tokens-details"], ready_timeout=60) as s:
+        stream_events(s, body)
+        last = stream_events(s, body)[-1]
+        full = httpx.post(f"{s.base_url}/v1/chat/completions", json={**body, "stream": False,
+                          "stream_options": None}, timeout=10).json()  # fmt: skip
+        truth = ground_truth(s)
+    # the same prompt again: its full blocks come from the prefix cache, as the engine counted them
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": truth[-2]["cached_tokens"]}
+    assert truth[-2]["cached_tokens"] > 0
+    assert full["usage"]["prompt_tokens_details"]["cached_tokens"] == truth[-1]["cached_tokens"]
+
+
+def test_model_as_a_flag_and_the_handoff() -> None:
+    """`vllm serve --model M` works as the positional does; --sim-handoff-ms puts the API server -> engine
+    hand-off into TTFT and e2e, not into the queue time."""
+    args = ["--model", "Qwen/Qwen3-8B", "--served-model-name", "q3", "--sim-handoff-ms", "5",
+            "--load-format", "dummy"]  # fmt: skip
+    with SimulatorProcess(args, ready_timeout=60) as s:
+        models = httpx.get(f"{s.base_url}/v1/models", timeout=5).json()["data"]
+        body = {
+            "model": "q3",
+            "messages": COUNT,
+            "max_tokens": 3,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=10).raise_for_status()
+        truth = ground_truth(s)[-1]
+    assert (models[0]["id"], models[0]["root"]) == ("q3", "Qwen/Qwen3-8B")
+    assert truth["handoff_ms"] >= 5.0
+    assert truth["ttft_ms"] == pytest.approx(
+        truth["handoff_ms"] + truth["queue_ms"] + truth["prefill_ms"], abs=0.01
+    )
 
 
 def test_ignore_eos_and_max_tokens(sim: SimulatorProcess) -> None:

@@ -117,6 +117,34 @@ def test_engine_death_fails_streams_in_flight(faults: SimulatorProcess) -> None:
     assert error["error"]["code"] == 500
 
 
+def chunk_times(sim: SimulatorProcess, body: dict[str, object]) -> list[tuple[float, dict[str, object]]]:
+    out: list[tuple[float, dict[str, object]]] = []
+    with httpx.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append((time.monotonic(), json.loads(line[len("data: ") :])))
+    return out
+
+
+def test_coalesce_delivers_the_stream_in_one_lump(faults: SimulatorProcess) -> None:
+    set_faults(faults, coalesce=True)
+    got = chunk_times(faults, {**STREAM, "stream_options": {"include_usage": True}})
+    assert len(got) == 1 + 20 + 1  # role, one chunk per token, usage: all there, all at the end
+    truth = ground_truth(faults)[-1]
+    # nothing reached the client before the engine's last token (shared monotonic clock)
+    assert got[0][0] >= truth["last_token"]
+
+
+def test_chunk_tokens_puts_several_tokens_in_a_chunk(faults: SimulatorProcess) -> None:
+    set_faults(faults, chunk_tokens=4)
+    body = {**STREAM, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    got = chunk_times(faults, body)
+    counts = [e["usage"]["completion_tokens"] for _, e in got if e["choices"]]  # type: ignore[index]
+    assert counts == [0, 4, 8, 12, 16, 20]
+    with pytest.raises(httpx.HTTPStatusError):
+        set_faults(faults, chunk_tokens=0)
+
+
 def test_ignore_stop(faults: SimulatorProcess) -> None:
     set_faults(faults, ignore_stop=True)
     r = client(faults).chat.completions.create(**CHAT, stop=["four"])  # type: ignore[call-overload]

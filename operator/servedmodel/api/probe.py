@@ -4,8 +4,10 @@ Latency vocabulary (clients disagree; every field below says which one it uses):
 - TTFT: request sent → first content token received (client) / arrival → first token (server).
 - TPOT: per request, (e2e - TTFT) / (completion_tokens - 1) — vLLM's and `vllm bench serve`'s
   definition (GuideLLM 0.8 calls this `inter_token_latency_ms`).
-- ITL: every gap between two streamed content chunks, one sample per gap (vLLM's
+- ITL: every gap between two streamed tokens, one sample per token gap (vLLM's
   `inter_token_latency_seconds` histogram); the status reports their p50/p95 within one probe.
+- A stream delivered in one lump (coalesced) has no real TTFT/TPOT/ITL: they are not written, and the
+  streaming check says so with the figures.
 """
 
 from __future__ import annotations
@@ -166,11 +168,12 @@ class ClientLatency(ApiModel):
         ),
     )
     itl_p50_ms: float | None = Field(
-        default=None, description="ITL p50: median gap between consecutive streamed content chunks, ms."
+        default=None,
+        description="ITL p50: median gap between streamed tokens (a chunk of k tokens: k gaps), ms.",
     )
     itl_p95_ms: float | None = Field(
         default=None,
-        description="ITL p95: 95th percentile gap between consecutive streamed content chunks, ms.",
+        description="ITL p95: 95th percentile gap between streamed tokens, ms.",
     )
     e2e_ms: float | None = Field(default=None, description="End to end: request sent → [DONE] received, ms.")
     headers_ms: float | None = Field(
@@ -196,6 +199,13 @@ class ServerLatency(ApiModel):
     )
     ttft_ms: float | None = Field(
         default=None, description="Server TTFT: arrival → first token (time_to_first_token)."
+    )
+    handoff_ms: float | None = Field(
+        default=None,
+        description=(
+            "API server → engine hand-off: server TTFT - queue - prefill (vLLM stamps arrival in the API "
+            "server, queueing in the engine process), ms."
+        ),
     )
     tpot_ms: float | None = Field(
         default=None,
@@ -241,6 +251,15 @@ class ProbeUsage(ApiModel):
         default=None, ge=0, description="usage.completion_tokens: bites out."
     )
     total_tokens: int | None = Field(default=None, ge=0, description="usage.total_tokens.")
+    cached_prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Prompt tokens served from the prefix cache instead of prefilled: "
+            "usage.prompt_tokens_details.cached_tokens where served, else the delta of "
+            "vllm:prompt_tokens_cached_total over an isolated window."
+        ),
+    )
 
 
 class ProbeCounters(ApiModel):
@@ -299,11 +318,20 @@ class ProbeChecks(ApiModel):
     )
     stop: ProbeCheck | None = Field(
         default=None,
-        description="The stop string ends generation: finish_reason stop, string absent from output.",
+        description=(
+            "The server honours stop strings: the probe's own, or one learned from the model's answer "
+            "(the same request again must end there with finish_reason stop and that stop_reason)."
+        ),
     )
     usage: ProbeCheck | None = Field(
         default=None,
         description="usage is present, adds up, and matches the token counters' deltas when isolated.",
+    )
+    streaming: ProbeCheck | None = Field(
+        default=None,
+        description=(
+            "Tokens arrived as generated, not in one lump (then client TTFT/TPOT/ITL are not written)."
+        ),
     )
 
 

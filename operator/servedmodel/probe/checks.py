@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from servedmodel.api.probe import ProbeCheck
 
 from .metrics import WindowDelta
+from .sse import LUMP_MIN_TOKENS, Delivery
 
 # Chat template families: how a role opens in the rendered prompt ({role} is replaced), and the turn end.
 TEMPLATE_FAMILIES: dict[str, tuple[str, str]] = {
@@ -105,27 +107,111 @@ def check_limits(
     return fail("UnexpectedStatus", f"expected 400, got {status}: {message[:200]}")
 
 
+def pick_stop_string(content: str, avoid: Sequence[str] = ()) -> tuple[str, int] | None:
+    """A stop string learned from the model's own output: a short piece of `content` that first occurs
+    at offset > 0 (so some text comes before it), without whitespace at its ends (detokenizers differ
+    there) or U+FFFD (a token split inside a UTF-8 character). Preferably past the middle, so the
+    second request ends clearly early. None when the output is too short to learn from."""
+    n = len(content)
+    starts = [*range(max(1, n // 2), n), *range(n // 2 - 1, 0, -1)]
+    for size in (6, 4, 3, 2, 1):
+        for i in starts:
+            cand = content[i : i + size]
+            if len(cand) != size or cand != cand.strip() or "\ufffd" in cand:
+                continue
+            if content.find(cand) != i or any(cand in a or a in cand for a in avoid if a):
+                continue
+            return cand, i
+    return None
+
+
+@dataclass(frozen=True)
+class LearnedStop:
+    """The model-agnostic stop test: the same request again (temperature 0, seeded) with a stop string
+    taken from the first answer; the server must end there with finish_reason stop."""
+
+    stop: str | None  # None: nothing to learn from (output too short)
+    offset: int = 0  # where `stop` starts in the first answer
+    first: str = ""  # the first answer
+    content: str = ""  # the second answer
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    completion_tokens: int | None = None
+    first_tokens: int | None = None
+    error: str | None = None
+
+
 def check_stop(
-    stop: Sequence[str], content: str, finish_reason: str | None, stop_reason: str | int | None
+    stop: Sequence[str],
+    content: str,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    learned: LearnedStop | None = None,
 ) -> ProbeCheck:
-    """finish_reason stop and no stop string in the output."""
+    """The server honours stop strings. Proof either way: the probe's own stop string ended the
+    answer (stop_reason names it, the string is absent), or, when the model never says it (dummy
+    weights, a base model), the learned stop did (see LearnedStop). A stop string present in the
+    output fails."""
     if not stop:
         return skipped("NoStopString", "spec.probe.stop is empty")
     present = [s for s in stop if s in content]
-    if finish_reason == "stop" and not present:
-        how = f"stop_reason {stop_reason!r}" if stop_reason is not None else "end of sequence"
-        return pass_("StoppedAtStop", f"finish_reason stop ({how})")
     if present:
         return fail(
             "StopIgnored",
             f"stop string {present[0]!r} appears in the output; finish_reason {finish_reason!r}",
         )
-    return fail("StopNotReached", f"finish_reason {finish_reason!r} before any stop string was generated")
+    if finish_reason == "stop" and stop_reason in stop:
+        return pass_("StoppedAtStop", f"finish_reason stop (stop_reason {stop_reason!r})")
+    if learned is None:
+        if finish_reason == "stop":
+            how = f"stop_reason {stop_reason!r}" if stop_reason is not None else "end of sequence"
+            return pass_("StoppedAtStop", f"finish_reason stop ({how})")
+        return fail("StopNotReached", f"finish_reason {finish_reason!r} before any stop string was generated")
+    return _check_learned(learned)
+
+
+def _check_learned(ls: LearnedStop) -> ProbeCheck:
+    if ls.error is not None:
+        return fail("StopRequestFailed", f"request with the learned stop string: {ls.error}")
+    if ls.stop is None:
+        return skipped("OutputTooShort", f"no stop string to learn from the output {ls.first[:40]!r}")
+    s = ls.stop
+    said = f"learned stop {s!r} (offset {ls.offset} of the model's own answer at temperature 0)"
+    if ls.finish_reason == "stop" and ls.stop_reason == s:
+        tokens = ""
+        if ls.completion_tokens is not None and ls.first_tokens is not None:
+            tokens = f", {ls.completion_tokens} of {ls.first_tokens} tokens"
+        return pass_("StoppedAtLearnedStop", f"{said}: finish_reason stop, stop_reason {s!r}{tokens}")
+    if s in ls.content:
+        return fail("StopIgnored", f"{said} appears in the answer; finish_reason {ls.finish_reason!r}")
+    common = min(len(ls.content), ls.offset)
+    if ls.content[:common] != ls.first[:common]:
+        return skipped(
+            "OutputNotRepeatable",
+            f"{said}: the same request gave another answer ({ls.content[:40]!r}): stop not judged",
+        )
+    return fail(
+        "StopNotHonoured",
+        f"{said}: finish_reason {ls.finish_reason!r}, stop_reason {ls.stop_reason!r}",
+    )
+
+
+def check_streaming(d: Delivery) -> ProbeCheck:
+    """Tokens arrived as they were generated, not in one lump (then TTFT and TPOT are not real)."""
+    if d.tokens < LUMP_MIN_TOKENS:
+        return skipped("TooFewTokens", d.describe())
+    if d.coalesced:
+        return fail(
+            "CoalescedStream",
+            f"stream arrived in lumps: {d.describe()}; client TTFT, TPOT and ITL not written",
+        )
+    several = f"; {d.tokens - d.chunks} token(s) shared a chunk" if d.chunks < d.tokens else ""
+    return pass_("TokensStreamed", d.describe() + several)
 
 
 def check_usage(
     usage: Mapping[str, int] | None,
-    content_chunks: int,
+    token_chunks: int,
     requests: int,
     window: WindowDelta | None,
     isolated: bool | None,
@@ -139,8 +225,8 @@ def check_usage(
         return fail("UsageIncomplete", f"usage lacks fields: {dict(usage)}")
     if p + c != t:
         return fail("UsageInconsistent", f"prompt_tokens {p} + completion_tokens {c} != total_tokens {t}")
-    if c < content_chunks:
-        return fail("UsageInconsistent", f"completion_tokens {c} < {content_chunks} content chunks received")
+    if c < token_chunks:
+        return fail("UsageInconsistent", f"completion_tokens {c} < {token_chunks} token chunks received")
     if window is None or window.reset:
         return pass_("UsageConsistent", "usage adds up; counters not compared (no metrics window)")
     dp, dg = window.counters.get("prompt_tokens"), window.counters.get("generation_tokens")

@@ -1,7 +1,10 @@
 """The probe's network side: one probe cycle against one engine, over httpx.
 
 door (GET /health, GET /v1/models) -> template (POST /tokenize) -> metrics before -> streamed chat
-(timed on the monotonic clock) -> metrics after -> limits (oversized prompt) -> checks.
+(timed on the monotonic clock) -> metrics after -> limits (oversized prompt) and the learned stop (the same
+chat again with a stop string taken from the first answer) -> checks.
+Each cycle's chat starts its first user message with a fresh nonce, so its prefill is cold (vLLM's prefix
+cache would otherwise serve the same prompt from the second cycle on and flatter TTFT).
 Every request has explicit connect/first-byte/total limits; failures become a `ProbeFailure` reason in
 the outcome, never an exception out of `run_probe`. The API key goes in a header and nowhere else.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import time
 import uuid
@@ -28,7 +32,7 @@ from . import errors as er
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
-from .sse import ClientFigures, SSEDecoder, StreamTiming, client_figures
+from .sse import ClientFigures, Delivery, SSEDecoder, StreamTiming, client_figures, delivery
 
 METRICS_TIMEOUT_S = 5.0
 # After [DONE] the engine may record the request's stats a moment later: re-scrape a few times.
@@ -38,6 +42,10 @@ LIMITS_FILLER = " hello"  # one Qwen token per repetition; several characters fo
 LIMITS_MAX_TOKENS = (
     262_144  # beyond this the oversized prompt (6 bytes a token) is too heavy to send each cycle
 )
+# Digits: Qwen's (and Llama 3's) tokenizers split numbers into single digits, so every nonce is the same
+# number of tokens and usage.prompt_tokens stays the same from cycle to cycle.
+NONCE_DIGITS = 8
+PROBE_SEED = 1234  # with temperature 0: the learned-stop request repeats the first answer
 
 T = TypeVar("T")
 
@@ -127,6 +135,10 @@ class ProbeOutcome:
     isolated: bool | None = None
     metrics_error: str | None = None
     limits_status: int | None = None
+    body: dict[str, Any] | None = None  # the first chat request sent (nonce included; no secrets)
+    delivery: Delivery | None = None
+    learned_stop: ck.LearnedStop | None = None
+    cached_prompt_tokens: int | None = None  # prefix-cache hits of the probe's prompt(s)
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
 
     @property
@@ -203,14 +215,38 @@ async def door(
     out.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) else None
 
 
+def nonce(rng: random.Random | None = None) -> str:
+    r = rng or random.SystemRandom()
+    return "".join(r.choice("0123456789") for _ in range(NONCE_DIGITS))
+
+
+def probe_messages(spec: ProbeSpec, cycle_nonce: str | None) -> list[dict[str, str]]:
+    """spec.messages with the nonce at the start of the first user message: every cycle's prompt differs
+    from its first blocks on, so vLLM's prefix cache cannot serve it (a system prompt before it still can:
+    the probe reports those cached tokens)."""
+    messages = [m.model_dump() for m in spec.messages]
+    if cycle_nonce is None:
+        return messages
+    for m in messages:
+        if m["role"] == "user":
+            m["content"] = f"[probe {cycle_nonce}] {m['content']}"
+            break
+    return messages
+
+
 async def tokenize(
-    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+    client: httpx.AsyncClient,
+    base: str,
+    spec: ProbeSpec,
+    api_key: str | None,
+    out: ProbeOutcome,
+    messages: list[dict[str, str]] | None = None,
 ) -> None:
     """Count and render the probe's messages as the engine's chat template does. HTTP/JSON trouble only
     fails the template check; a transport error fails the probe."""
     body = {
         "model": out.model,
-        "messages": [m.model_dump() for m in spec.messages],
+        "messages": messages if messages is not None else [m.model_dump() for m in spec.messages],
         "add_generation_prompt": True,
         "return_token_strs": True,
     }
@@ -235,19 +271,63 @@ async def tokenize(
         out.rendered = "".join(strs)
 
 
-def chat_body(spec: ProbeSpec, model: str | None) -> dict[str, Any]:
+def chat_body(
+    spec: ProbeSpec, model: str | None, messages: list[dict[str, str]] | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [m.model_dump() for m in spec.messages],
+        "messages": messages if messages is not None else [m.model_dump() for m in spec.messages],
         "max_completion_tokens": spec.max_tokens,
         "max_tokens": spec.max_tokens,  # engines older than max_completion_tokens
         "temperature": 0,
+        "seed": PROBE_SEED,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # continuous usage: every chunk says how many tokens so far, so TPOT/ITL count tokens, not chunks
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if spec.stop:
         body["stop"] = list(spec.stop)
     return body
+
+
+async def learned_stop_request(
+    client: httpx.AsyncClient, base: str, body: dict[str, Any], first: StreamTiming, api_key: str | None
+) -> ck.LearnedStop:
+    """The first answer again, non-streamed, with a stop string learned from it (see checks.LearnedStop)."""
+    n1 = first.usage.get("completion_tokens") if first.usage else None
+    picked = ck.pick_stop_string(first.content, body.get("stop") or ())
+    if picked is None:
+        return ck.LearnedStop(None, first=first.content, first_tokens=n1)
+    stop, offset = picked
+    again = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    again["stop"] = [stop]
+    r = await _call(
+        "POST /v1/chat/completions (learned stop)",
+        client.post(f"{base}/v1/chat/completions", json=again, headers=_auth(api_key)),
+    )
+    if r.status_code != 200:
+        err = f"HTTP {r.status_code}: {er.error_message_of(r.content)}"
+        return ck.LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
+    try:
+        doc = r.json()
+        choice = doc["choices"][0]
+        content = choice["message"].get("content") or ""
+        usage = doc.get("usage") or {}
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        err = f"malformed answer {r.text[:80]!r}"
+        return ck.LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
+    sr = choice.get("stop_reason")
+    ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return ck.LearnedStop(
+        stop,
+        offset,
+        first.content,
+        content=str(content),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=sr if isinstance(sr, str | int) else None,
+        completion_tokens=ct if isinstance(ct, int) else None,
+        first_tokens=n1,
+    )
 
 
 async def stream_chat(
@@ -329,6 +409,10 @@ def _median_figures(figs: list[ClientFigures]) -> ClientFigures:
         itl_p95_ms=med([f.itl_p95_ms for f in figs]),
         e2e_ms=med([f.e2e_ms for f in figs]),
         completion_tokens=figs[0].completion_tokens,
+        token_chunks=figs[0].token_chunks,
+        bursts=figs[0].bursts,
+        decode_ms=med([f.decode_ms for f in figs]),
+        cached_tokens=figs[0].cached_tokens,
     )
 
 
@@ -364,7 +448,10 @@ async def run_probe(
     try:
         async with asyncio.timeout(spec.timeout):
             await door(client, base, model, api_key, out)
-            await tokenize(client, base, spec, api_key, out)
+            n = spec.max_in_flight
+            bodies = [chat_body(spec, out.model, probe_messages(spec, nonce())) for _ in range(n)]
+            out.body = bodies[0]
+            await tokenize(client, base, spec, api_key, out, bodies[0]["messages"])
             if metrics is not None:
                 if metrics.model is None:
                     metrics.model = out.model
@@ -372,10 +459,8 @@ async def run_probe(
                     out.before = await metrics.snapshot()
                 except ProbeFailure as f:
                     out.metrics_error = f.message
-            body = chat_body(spec, out.model)
-            n = spec.max_in_flight
             timings = await gather_or_cancel(
-                *(stream_chat(client, base, body, api_key, f"probe-{uuid.uuid4().hex}") for _ in range(n))
+                *(stream_chat(client, base, b, api_key, f"probe-{uuid.uuid4().hex}") for b in bodies)
             )
             out.timings = list(timings)
     except ProbeFailure as f:
@@ -400,6 +485,7 @@ async def run_probe(
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
     if out.ok:
         await _limits_check(client, base, spec, api_key, out)
+        await _learned_stop(client, base, spec, api_key, out)
         _request_checks(spec, out)
     out.ended = datetime.now(UTC)
     return out
@@ -428,19 +514,61 @@ async def _limits_check(
     out.checks["limits"] = ck.check_limits(spec.check_limits, out.max_model_len, status, message, error)
 
 
+async def _learned_stop(
+    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+) -> None:
+    """Only when the probe's own stop string did not end the answer (dummy weights, a base model)."""
+    t = out.timing
+    if not spec.stop or t is None or out.body is None:
+        return
+    if t.finish_reason == "stop" and t.stop_reason in spec.stop:
+        return
+    if any(s in t.content for s in spec.stop):
+        return  # already a failure; nothing more to learn
+    try:
+        async with asyncio.timeout(spec.timeout):
+            out.learned_stop = await learned_stop_request(client, base, out.body, t, api_key)
+    except ProbeFailure as f:
+        out.learned_stop = ck.LearnedStop("?", first=t.content, error=f.message)
+    except TimeoutError:
+        out.learned_stop = ck.LearnedStop("?", first=t.content, error=f"no answer within {spec.timeout:g} s")
+
+
+def _server_phase(out: ProbeOutcome, name: str) -> float | None:
+    """A server phase mean that belongs to the probe alone (isolated window), else None."""
+    if out.window is None or out.window.reset or not out.isolated:
+        return None
+    return out.window.phases_ms.get(name)
+
+
+def _cached_prompt_tokens(out: ProbeOutcome) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens where the server reports it (vLLM with
+    --enable-prompt-tokens-details), else the prefix-cache counter's delta of an isolated window."""
+    cached = [t.usage["cached_tokens"] for t in out.timings if t.usage and "cached_tokens" in t.usage]
+    if cached:
+        return round(statistics.median(cached))
+    if out.window is None or out.window.reset or not out.isolated:
+        return None
+    hits = out.window.counters.get("prompt_tokens_cached")
+    return round(hits / len(out.timings)) if hits is not None and out.timings else None
+
+
 def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     t = out.timing
     assert t is not None
+    decode, tpot = _server_phase(out, "decode"), _server_phase(out, "tpot")
+    verdicts = [delivery(client_figures(x), decode, tpot) for x in out.timings]
+    out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
+    out.cached_prompt_tokens = _cached_prompt_tokens(out)
+    out.checks["streaming"] = ck.check_streaming(out.delivery)
     usage_prompt = t.usage.get("prompt_tokens") if t.usage else None
     family = ck.family_of(out.model, out.model_root)
     roles = [m.role for m in spec.messages]
     out.checks["template"] = ck.check_template(
         family, out.rendered, roles, out.tokenize_count, usage_prompt, tokenize_error=out.tokenize_error
     )
-    out.checks["stop"] = ck.check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason)
-    out.checks["usage"] = ck.check_usage(
-        t.usage, len(t.content_ns), len(out.timings), out.window, out.isolated
-    )
+    out.checks["stop"] = ck.check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason, out.learned_stop)
+    out.checks["usage"] = ck.check_usage(t.usage, len(t.token_ns), len(out.timings), out.window, out.isolated)
 
 
 @contextlib.asynccontextmanager

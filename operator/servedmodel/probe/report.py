@@ -5,6 +5,7 @@ restart: the rolling window and the counter rates are carried through it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +34,7 @@ from servedmodel.api.probe import (
 from . import errors as er
 from .client import ProbeOutcome
 from .metrics import MetricsSnapshot
-from .sse import percentile
+from .sse import ClientFigures, percentile
 
 
 def rfc3339(t: datetime, timespec: str = "milliseconds") -> str:
@@ -97,10 +98,11 @@ def _window(previous: ProbeWindow | None, out: ProbeOutcome, size: int) -> Probe
     ttft = list(previous.recent_ttft_ms) if previous else []
     tpot = list(previous.recent_tpot_ms) if previous else []
     e2e = list(previous.recent_e2e_ms) if previous else []
-    f = out.figures
-    if out.ok and f is not None and f.ttft_ms is not None and f.e2e_ms is not None:
-        ttft.append(round(f.ttft_ms, 3))
+    f = publishable_figures(out)
+    if out.ok and f is not None and f.e2e_ms is not None:
         e2e.append(round(f.e2e_ms, 3))
+        if f.ttft_ms is not None:
+            ttft.append(round(f.ttft_ms, 3))
         if f.tpot_ms is not None:
             tpot.append(round(f.tpot_ms, 3))
     ttft, tpot, e2e = ttft[-size:], tpot[-size:], e2e[-size:]
@@ -118,6 +120,24 @@ def _window(previous: ProbeWindow | None, out: ProbeOutcome, size: int) -> Probe
     )
 
 
+def publishable_figures(out: ProbeOutcome) -> ClientFigures | None:
+    """The client figures fit to publish: a stream that arrived in one lump has no real TTFT, TPOT or
+    ITL (TPOT ~ 0, TTFT ~ e2e), so only its e2e and door stay."""
+    f = out.figures
+    if f is None or out.delivery is None or not out.delivery.coalesced:
+        return f
+    return dataclasses.replace(f, ttft_ms=None, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
+
+
+def handoff_ms(ph: Mapping[str, float]) -> float | None:
+    """vLLM's TTFT runs from the API server's arrival stamp, its queue time from the engine's: the
+    difference is the hand-off between the two processes (~3 ms on vLLM-CPU), a phase of its own."""
+    ttft, queue, prefill = ph.get("ttft"), ph.get("queue"), ph.get("prefill")
+    if ttft is None or queue is None or prefill is None:
+        return None
+    return max(0.0, ttft - queue - prefill)
+
+
 def _server(out: ProbeOutcome) -> ServerLatency | None:
     w = out.window
     if w is None or w.reset:
@@ -130,6 +150,7 @@ def _server(out: ProbeOutcome) -> ServerLatency | None:
         decode_ms=_r(ph.get("decode")),
         inference_ms=_r(ph.get("inference")),
         ttft_ms=_r(ph.get("ttft")),
+        handoff_ms=_r(handoff_ms(ph)),
         tpot_ms=_r(ph.get("tpot")),
         e2e_ms=_r(ph.get("e2e")),
         requests=round(done) if done is not None else None,
@@ -138,14 +159,16 @@ def _server(out: ProbeOutcome) -> ServerLatency | None:
 
 
 def _phases(out: ProbeOutcome, server: ServerLatency | None) -> str:
-    """'door 1.2, queue 0.4, prefill 6.5, decode 85.1 ms (slowest: decode)': where the time went."""
+    """'door 1.2, handoff 3.0, queue 0.4, prefill 6.5, decode 85.1 ms (slowest: decode)': where the
+    time went."""
     t = out.timing
     if t is None or t.headers_ns is None:
         return ""
     door = (t.headers_ns - t.sent_ns) / 1e6
     steps: list[tuple[str, float | None]] = [("door", door)]
     if server is not None and server.queue_ms is not None and server.prefill_ms is not None:
-        steps += [("queue", server.queue_ms), ("prefill", server.prefill_ms), ("decode", server.decode_ms)]
+        steps += [("handoff", server.handoff_ms), ("queue", server.queue_ms)]
+        steps += [("prefill", server.prefill_ms), ("decode", server.decode_ms)]
     elif t.first_token_ns is not None and t.last_token_ns is not None:  # no server figures: client view
         steps += [
             ("queue+prefill", (t.first_token_ns - t.headers_ns) / 1e6),
@@ -161,15 +184,18 @@ def _phases(out: ProbeOutcome, server: ServerLatency | None) -> str:
 def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeChecks) -> str:
     if out.failure is not None:
         return out.failure.message[:500]
-    f = out.figures
+    f = publishable_figures(out)
     t = out.timing
     parts: list[str] = []
     if f is not None and t is not None:
+        ttft = f"{f.ttft_ms:.1f} ms" if f.ttft_ms is not None else "n/a"
         tpot = f"{f.tpot_ms:.1f} ms" if f.tpot_ms is not None else "n/a"
         parts.append(
-            f"TTFT {f.ttft_ms or 0:.1f} ms, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
+            f"TTFT {ttft}, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
             f"{f.completion_tokens} tokens, finish_reason {t.finish_reason}"
         )
+    if out.delivery is not None and out.delivery.coalesced:
+        parts.append(f"stream arrived in lumps ({out.delivery.describe()}): TTFT/TPOT not measured")
     phases = _phases(out, server)
     if phases:
         parts.append(phases)
@@ -186,6 +212,7 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
             ("limits", checks.limits),
             ("stop", checks.stop),
             ("usage", checks.usage),
+            ("streaming", checks.streaming),
         )
         if c is not None and c.result == "Fail"
     ]
@@ -198,7 +225,7 @@ def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | Non
     """The new status.probe. On failure the window keeps its samples and latencies are cleared."""
     now = out.ended or datetime.now(UTC)
     snap = out.after or out.before
-    f = out.figures if out.ok else None
+    f = publishable_figures(out) if out.ok else None
     t = out.timing if out.ok else None
     checks = ProbeChecks(**out.checks) if out.ok else ProbeChecks()
     server = _server(out) if out.ok else None
@@ -208,6 +235,7 @@ def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | Non
             prompt_tokens=t.usage.get("prompt_tokens"),
             completion_tokens=t.usage.get("completion_tokens"),
             total_tokens=t.usage.get("total_tokens"),
+            cached_prompt_tokens=out.cached_prompt_tokens,
         )
     client = None
     if f is not None:

@@ -4,9 +4,17 @@ The network side feeds raw byte chunks with the monotonic time (ns) each was rea
 deterministic so it is unit-tested with recorded-shaped streams.
 
 Definitions (vllm-0.33.md, "Latency vocabulary"):
-- TTFT: request sent -> first chunk carrying non-empty content.
-- ITL: each gap between consecutive content chunks (one sample per gap).
-- TPOT (vLLM's): (last content chunk - first content chunk) / (completion_tokens - 1).
+- A token chunk: a streamed choice that carries generated tokens. vLLM sends one per engine step, also
+  when its text is empty (a stop string's possible start is held back: `{"content": ""}`); only the role
+  chunk that opens the stream carries none (it goes out with the first token's chunk).
+- TTFT: request sent -> first token chunk (as `vllm bench serve`).
+- TPOT (vLLM's): (last token chunk - first token chunk) / (completion_tokens - 1): tokens, not chunks.
+  When the first chunk carried k tokens (continuous usage says so), the span covers n - k tokens.
+- ITL: each gap between consecutive token chunks, per token: a chunk carrying k tokens (known from
+  `continuous_usage_stats`) gives k samples of gap / k.
+- bursts: token chunks arriving less than BURST_GAP_MS after the previous one belong to one burst; a
+  live stream has one burst per chunk (an engine step is a millisecond or more), a stream held back and
+  released at once has one for all of them (see `delivery`).
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MALFORMED_STREAM, ProbeFailure
+
+# Chunks closer than this came out of one buffer, not out of separate engine steps (the fastest decode
+# steps take about a millisecond).
+BURST_GAP_MS = 0.2
 
 
 @dataclass
@@ -72,7 +84,9 @@ class StreamTiming:
     sent_ns: int
     request_id: str | None = None  # the X-Request-Id sent (vLLM names the completion chatcmpl-<it>)
     headers_ns: int | None = None
-    content_ns: list[int] = field(default_factory=list)
+    content_ns: list[int] = field(default_factory=list)  # chunks with non-empty text
+    token_ns: list[int] = field(default_factory=list)  # chunks carrying tokens (see the module doc)
+    chunk_tokens: list[int | None] = field(default_factory=list)  # tokens per token chunk, if reported
     last_event_ns: int | None = None
     done_ns: int | None = None
     content: str = ""
@@ -80,6 +94,7 @@ class StreamTiming:
     stop_reason: str | int | None = None
     usage: dict[str, int] | None = None
     events: int = 0
+    _cum_tokens: int = 0  # completion_tokens of the last continuous-usage chunk
 
     @property
     def done(self) -> bool:
@@ -87,11 +102,19 @@ class StreamTiming:
 
     @property
     def first_token_ns(self) -> int | None:
-        return self.content_ns[0] if self.content_ns else None
+        return self.token_ns[0] if self.token_ns else None
 
     @property
     def last_token_ns(self) -> int | None:
-        return self.content_ns[-1] if self.content_ns else None
+        return self.token_ns[-1] if self.token_ns else None
+
+    @property
+    def bursts(self) -> int:
+        """Groups of token chunks that arrived back to back (under BURST_GAP_MS apart)."""
+        if not self.token_ns:
+            return 0
+        gap = int(BURST_GAP_MS * 1e6)
+        return 1 + sum(1 for a, b in zip(self.token_ns, self.token_ns[1:], strict=False) if b - a >= gap)
 
     def on_event(self, data: str, t_ns: int) -> None:
         """One SSE data payload received at t_ns. Raises ProbeFailure(MalformedStream) on bad shapes."""
@@ -116,22 +139,42 @@ class StreamTiming:
         if not isinstance(choices, list):
             raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events} has no choices list")
         usage = doc.get("usage")
-        if isinstance(usage, dict):
-            self.usage = _usage_of(usage)
+        chunk_usage = _usage_of(usage) if isinstance(usage, dict) else None
+        if chunk_usage is not None:
+            self.usage = chunk_usage
         for choice in choices:
             if not isinstance(choice, dict):
                 raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events}: choice is not an object")
             delta = choice.get("delta")
             if delta is not None and not isinstance(delta, dict):
                 raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events}: delta is not an object")
-            text = (delta or {}).get("content")
+            d = delta or {}
+            text = d.get("content")
             if isinstance(text, str) and text:
                 self.content += text
                 self.content_ns.append(t_ns)
+            cum = chunk_usage.get("completion_tokens") if chunk_usage else None
+            if cum is not None:  # continuous usage stats: exactly how many tokens this chunk carries
+                if cum > self._cum_tokens:
+                    self.token_ns.append(t_ns)
+                    self.chunk_tokens.append(cum - self._cum_tokens)
+                    self._cum_tokens = cum
+            elif _carries_tokens(d):
+                self.token_ns.append(t_ns)
+                self.chunk_tokens.append(None)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 sr = choice.get("stop_reason")
                 self.stop_reason = sr if isinstance(sr, str | int) else None
+
+
+def _carries_tokens(delta: dict[str, Any]) -> bool:
+    """A choice with generated tokens, without usage to say so: any delta but the role chunk that opens
+    the stream and an empty `{}` (a finish chunk of a server that sends no token with it)."""
+    filled = {k for k, v in delta.items() if v not in (None, "", [])}
+    if filled - {"role"}:
+        return True  # text, reasoning or tool-call deltas
+    return "role" not in delta and "content" in delta  # {"content": ""}: a token held back
 
 
 def _usage_of(usage: dict[str, Any]) -> dict[str, int]:
@@ -140,6 +183,10 @@ def _usage_of(usage: dict[str, Any]) -> dict[str, int]:
         v = usage.get(key)
         if isinstance(v, int) and not isinstance(v, bool):
             out[key] = v
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool):
+        out["cached_tokens"] = cached  # vLLM with --enable-prompt-tokens-details
     return out
 
 
@@ -168,6 +215,10 @@ class ClientFigures:
     itl_p95_ms: float | None
     e2e_ms: float | None
     completion_tokens: int | None
+    token_chunks: int = 0
+    bursts: int = 0
+    decode_ms: float | None = None  # first -> last token chunk
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where served
 
 
 def client_figures(t: StreamTiming) -> ClientFigures:
@@ -175,13 +226,20 @@ def client_figures(t: StreamTiming) -> ClientFigures:
     headers = (t.headers_ns - t.sent_ns) * ms if t.headers_ns is not None else None
     first, last = t.first_token_ns, t.last_token_ns
     ttft = (first - t.sent_ns) * ms if first is not None else None
-    gaps = [(b - a) * ms for a, b in zip(t.content_ns, t.content_ns[1:], strict=False)]
+    gaps: list[float] = []
+    for i in range(1, len(t.token_ns)):
+        gap = (t.token_ns[i] - t.token_ns[i - 1]) * ms
+        k = t.chunk_tokens[i] if i < len(t.chunk_tokens) else None
+        k = k if k is not None and k > 0 else 1
+        gaps.extend([gap / k] * k)  # per token: a chunk of k tokens spans k inter-token gaps
     n = t.usage.get("completion_tokens") if t.usage else None
     if n is None:
-        n = len(t.content_ns) or None
+        n = len(t.token_ns) or None
     tpot = None
-    if first is not None and last is not None and n is not None and n > 1:
-        tpot = (last - first) * ms / (n - 1)
+    decode = (last - first) * ms if first is not None and last is not None else None
+    k_first = t.chunk_tokens[0] if t.chunk_tokens and t.chunk_tokens[0] else 1
+    if decode is not None and n is not None and n - k_first > 0:
+        tpot = decode / (n - k_first)  # the tokens that came after the first chunk
     end = t.done_ns if t.done_ns is not None else t.last_event_ns
     e2e = (end - t.sent_ns) * ms if end is not None else None
     return ClientFigures(
@@ -193,4 +251,61 @@ def client_figures(t: StreamTiming) -> ClientFigures:
         itl_p95_ms=percentile(gaps, 95),
         e2e_ms=e2e,
         completion_tokens=n,
+        token_chunks=len(t.token_ns),
+        bursts=t.bursts,
+        decode_ms=decode,
+        cached_tokens=t.usage.get("cached_tokens") if t.usage else None,
     )
+
+
+# A stream counts as delivered in lumps when all its tokens came in one burst, or its chunks in at most
+# one burst per LUMP_CHUNKS chunks (vLLM writes a chunk per engine step, each its own burst), or when the
+# client saw decode take less than LUMP_SHARE of the time the server says it took.
+LUMP_MIN_TOKENS = 3
+LUMP_CHUNKS = 4
+LUMP_SHARE = 0.5
+LUMP_MIN_SERVER_DECODE_MS = 2.0
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Was the stream delivered as it was generated, or in lumps (a starved client, a buffering proxy,
+    an overloaded API server)? A lumped stream's TTFT and TPOT are not what the engine did."""
+
+    coalesced: bool
+    tokens: int
+    chunks: int
+    bursts: int
+    client_decode_ms: float | None
+    server_decode_ms: float | None
+    server_tpot_ms: float | None
+
+    def describe(self) -> str:
+        parts = [f"{self.tokens} tokens in {self.chunks} chunks, {self.bursts} bursts"]
+        if self.client_decode_ms is not None:
+            parts.append(f"first -> last token {self.client_decode_ms:.2f} ms on the client")
+        if self.server_decode_ms is not None:
+            srv = f"server decode {self.server_decode_ms:.2f} ms"
+            if self.server_tpot_ms is not None:
+                srv += f" (TPOT {self.server_tpot_ms:.2f} ms)"
+            parts.append(srv)
+        return ", ".join(parts)
+
+
+def delivery(
+    f: ClientFigures, server_decode_ms: float | None = None, server_tpot_ms: float | None = None
+) -> Delivery:
+    """Judge one stream's delivery. Server figures (isolated window means) sharpen it where known."""
+    n = f.completion_tokens or 0
+    lumped = False
+    if n >= LUMP_MIN_TOKENS and f.bursts > 0:
+        lumped = f.bursts == 1 or f.bursts * LUMP_CHUNKS <= f.token_chunks
+    if (
+        not lumped
+        and n >= LUMP_MIN_TOKENS
+        and server_decode_ms is not None
+        and server_decode_ms >= LUMP_MIN_SERVER_DECODE_MS
+        and f.decode_ms is not None
+    ):
+        lumped = f.decode_ms < LUMP_SHARE * server_decode_ms
+    return Delivery(lumped, n, f.token_chunks, f.bursts, f.decode_ms, server_decode_ms, server_tpot_ms)

@@ -9,6 +9,7 @@ from typing import Any
 from servedmodel.api.probe import ProbeStatus
 
 from .client import ProbeOutcome
+from .report import handoff_ms, publishable_figures
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Row:
 
 def waterfall(out: ProbeOutcome) -> list[Row]:
     t = out.timing
-    f = out.figures
+    f = publishable_figures(out)
     ph = out.window.phases_ms if out.window is not None and not out.window.reset else {}
     ms = 1e-6
 
@@ -34,6 +35,7 @@ def waterfall(out: ProbeOutcome) -> list[Row]:
     stop = span(t.last_token_ns, t.done_ns) if t else None
     return [
         Row("door", headers, None, "request sent -> response headers (validate, template, tokenize, admit)"),
+        Row("handoff", None, handoff_ms(ph), "API server -> engine (server TTFT - queue - prefill)"),
         Row("queue", None, ph.get("queue"), "arrival -> scheduled (server); client sees it inside prefill"),
         Row(
             "prefill",
@@ -45,8 +47,8 @@ def waterfall(out: ProbeOutcome) -> list[Row]:
         Row("stop", stop, None, "last token -> [DONE]"),
         Row("TTFT", f.ttft_ms if f else None, ph.get("ttft"), "request sent -> first content token"),
         Row("TPOT", f.tpot_ms if f else None, ph.get("tpot"), "(e2e - TTFT)/(tokens - 1), vLLM's definition"),
-        Row("ITL p50", f.itl_p50_ms if f else None, None, "median gap between streamed chunks"),
-        Row("ITL p95", f.itl_p95_ms if f else None, None, "95th percentile gap between streamed chunks"),
+        Row("ITL p50", f.itl_p50_ms if f else None, None, "median gap between streamed tokens"),
+        Row("ITL p95", f.itl_p95_ms if f else None, None, "95th percentile gap between streamed tokens"),
         Row("e2e", f.e2e_ms if f else None, ph.get("e2e"), "request sent -> [DONE]"),
     ]
 
@@ -77,17 +79,18 @@ def render_table(out: ProbeOutcome, status: ProbeStatus) -> str:
         lines.append(
             f"usage     prompt {u.prompt_tokens}  completion {u.completion_tokens}  total {u.total_tokens}"
             f"   finish_reason {status.finish_reason}"
+            + (f"   cached prompt {u.cached_prompt_tokens}" if u.cached_prompt_tokens is not None else "")
         )
     if status.scheduler is not None:
         s = status.scheduler
         lines.append(f"scheduler running {s.running}  waiting {s.waiting}  KV cache usage {s.kv_cache_usage}")
     if status.checks is not None:
         lines.append("")
-        lines.append(f"{'check':<9} {'result':<8} {'reason':<24} message")
-        for name in ("template", "limits", "stop", "usage"):
+        lines.append(f"{'check':<10} {'result':<8} {'reason':<24} message")
+        for name in ("template", "limits", "stop", "usage", "streaming"):
             c = getattr(status.checks, name)
             if c is not None:
-                lines.append(f"{name:<9} {c.result:<8} {c.reason:<24} {c.message}")
+                lines.append(f"{name:<10} {c.result:<8} {c.reason:<24} {c.message}")
     return "\n".join(lines)
 
 

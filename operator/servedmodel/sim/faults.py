@@ -21,6 +21,8 @@ class Faults:
     malformed_chunk_rate: float = 0.0  # share of content chunks replaced by truncated JSON
     dead: bool = False  # engine died: /health 503, requests fail with 500
     ignore_stop: bool = False  # a server that ignores stop strings (the probe's stop-marker check)
+    coalesce: bool = False  # the whole stream held back and delivered in one lump (a buffering proxy)
+    chunk_tokens: int = 1  # tokens per content chunk (an API server lagging its engine merges outputs)
     chat_template: str | None = None  # swap the chat template at run time (bundled name, file or Jinja)
 
     def update(self, changes: dict[str, Any]) -> None:
@@ -41,6 +43,8 @@ class Faults:
                 value = type(current)(value)
             if key in ("error_rate", "malformed_chunk_rate") and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{key} must be between 0 and 1")
+            if key == "chunk_tokens" and value < 1:
+                raise ValueError("chunk_tokens must be at least 1")
             if key == "error_status" and not 400 <= value <= 599:
                 raise ValueError("error_status must be an HTTP error status (400-599)")
             setattr(self, key, value)

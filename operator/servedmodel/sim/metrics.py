@@ -313,7 +313,7 @@ class SimMetrics:
             return
         e2e = request.last_token - request.arrival
         self.h_e2e.observe(e2e)
-        self.h_queue.observe(request.first_scheduled - request.arrival)
+        self.h_queue.observe(request.first_scheduled - request.queued)
         self.h_prefill.observe(request.first_token - request.first_scheduled)
         self.h_inference.observe(request.last_token - request.first_scheduled)
         self.h_decode.observe(request.last_token - request.first_token)

@@ -52,6 +52,7 @@ class SimSettings:
     chat_template: str | None = None
     tokenizer: str | None = None
     api_key: str | None = None
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
     startup_delay_s: float = 0.0
     faults: Faults = dataclasses.field(default_factory=Faults)
 
@@ -397,6 +398,23 @@ class Simulator:
             )
         self._check_model(body)
 
+    def _check_max_tokens(self, body: dict[str, Any]) -> None:
+        """vLLM refuses an output budget over the whole context before rendering the prompt (a prompt +
+        max_tokens over the context is clamped instead)."""
+        if body.get("max_completion_tokens") is not None:
+            value, param = body["max_completion_tokens"], "max_completion_tokens"
+        else:
+            value, param = body.get("max_tokens"), "max_tokens"
+        limit = self.settings.engine.max_model_len
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ApiError(
+                400,
+                f"{param}={value} cannot be greater than max_model_len={limit}. Please request fewer "
+                f"output tokens. (parameter={param}, value={value})",
+                "BadRequestError",
+                param,
+            )
+
     def _check_length(self, prompt_ids: list[int]) -> None:
         limit = self.settings.engine.max_model_len
         n = len(prompt_ids)
@@ -484,6 +502,7 @@ class Simulator:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._json(request)
         self._door(body)
+        self._check_max_tokens(body)
         if self.faults.first_byte_delay_ms > 0:
             await asyncio.sleep(self.faults.first_byte_delay_ms / 1000.0)
         if chat:
@@ -519,19 +538,27 @@ class Simulator:
         req.notify = wake.set
         stream = bool(body.get("stream", False))
         try:
-            self.engine.add(req)
-            self.loop.kick()
             if stream:
                 try:
                     return await self._stream(request, body, req, wake, chat)
                 except ConnectionResetError:
                     # The client went away mid-stream: the finally below aborts the request, nothing to log.
                     return web.Response(status=499)
+            await self._admit(req)
             return await self._full(body, req, wake, chat)
         finally:
             if not req.finished:
                 self.engine.abort(req.request_id, "abort", time.monotonic())
                 self.loop.kick()
+
+    async def _admit(self, req: Request) -> None:
+        """Hand the request to the engine, after the API server -> engine hand-off (vLLM's IPC)."""
+        handoff = self.settings.engine.handoff_ms
+        if handoff > 0:
+            await asyncio.sleep(handoff / 1000.0)
+            req.queued = time.monotonic()
+        self.engine.add(req)
+        self.loop.kick()
 
     async def _full(
         self, body: dict[str, Any], req: Request, wake: asyncio.Event, chat: bool
@@ -543,11 +570,16 @@ class Simulator:
             raise ApiError(500, req.error, "InternalServerError")
         model = body.get("model") or self.model_name
         prompt_tokens = len(req.prompt_ids)
+        details = (
+            {"cached_tokens": req.num_cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+            if self.settings.enable_prompt_tokens_details
+            else None
+        )
         usage = {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + req.completion_tokens,
             "completion_tokens": req.completion_tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": details,
             "completion_tokens_details": None,
         }
         created = int(time.time())
@@ -617,6 +649,7 @@ class Simulator:
         )
         # From here the engine loop writes this stream's chunks itself, at the end of each step.
         req.notify = sink.on_output
+        await self._admit(req)  # after the headers, as vLLM hands the request over inside the stream
         sink.on_output()  # anything produced while the headers went out
         outcome = await sink.done
         if outcome == "drop":
@@ -641,6 +674,7 @@ class SseSink:
         "_details",
         "_first",
         "_head",
+        "_held",
         "_prompt_tokens",
         "chat",
         "continuous",
@@ -671,6 +705,7 @@ class SseSink:
         self.continuous = continuous
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.sent_tokens = 0
+        self._held: list[bytes] = []  # the coalesce fault's stream, written in one piece at the end
         self._first = True
         self._prompt_tokens = len(req.prompt_ids)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -706,8 +741,11 @@ class SseSink:
             self._write(f"data: {err}\n\ndata: [DONE]\n\n")
             self._finish("error")
             return
-        delta, ntok = req.take_delta()
         finished = req.finished
+        faults = self.sim.faults
+        if not finished and req.pending_tokens < faults.chunk_tokens:
+            return  # several tokens per chunk: wait for the rest (an API server behind its engine)
+        delta, ntok = req.take_delta()
         if not ntok and not finished:
             return
         self.sent_tokens += ntok
@@ -723,7 +761,6 @@ class SseSink:
             )
         self._first = False
         text = _json_str(delta)
-        faults = self.sim.faults
         if finished:
             reason = _json_str(req.finish_reason or "abort")
             stop_reason = _dumps(req.stop_reason)
@@ -740,9 +777,12 @@ class SseSink:
                 )
             parts.append(f'{head}{choice}]{cu},"kv_transfer_params":null}}\n\n')
             if self.include_usage:
-                parts.append(f"{head}],{self._usage(req.completion_tokens)}}}\n\n")
+                tail = ""
+                if self.sim.settings.enable_prompt_tokens_details:
+                    tail = f',"prompt_tokens_details":{{"cached_tokens":{req.num_cached_tokens}}}'
+                parts.append(f"{head}],{self._usage(req.completion_tokens, tail)}}}\n\n")
             parts.append("data: [DONE]\n\n")
-        elif delta or not chat:
+        else:  # one chunk per step, also with empty text (a stop string's start held back), as vLLM
             if faults.malformed_chunk_rate and faults.hit(self.sim.rng, faults.malformed_chunk_rate):
                 parts.append(f'{head}{{"index":0,"delta":{{"content":{text[: max(1, len(text) // 2)]}\n\n')
             elif chat:
@@ -772,7 +812,14 @@ class SseSink:
 
     def _write(self, text: str) -> None:
         data = text.encode()
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one HTTP/1.1 chunk
+        chunk = b"%x\r\n%b\r\n" % (len(data), data)  # one HTTP/1.1 chunk
+        if self.sim.faults.coalesce and not self.req.finished:
+            self._held.append(chunk)
+            return
+        if self._held:
+            chunk = b"".join([*self._held, chunk])
+            self._held = []
+        self.transport.write(chunk)
 
 
 async def serve(settings: SimSettings, *, ready: Callable[[int], None] | None = None) -> None:
