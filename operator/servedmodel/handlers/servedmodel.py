@@ -49,6 +49,12 @@ def _key(body: Mapping[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or "default"), str(meta.get("name"))
 
 
+def _raw(event: Any, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The object as the API server sent it (plain dicts), not kopf's views over it."""
+    raw = event.get("object") if isinstance(event, Mapping) else None
+    return raw if isinstance(raw, Mapping) else body
+
+
 def _inputs(obj: Mapping[str, Any] | None) -> Any:
     """What a reconcile of this ServedModel depends on, besides its children."""
     if obj is None:
@@ -68,13 +74,15 @@ def _inputs(obj: Mapping[str, Any] | None) -> Any:
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-async def servedmodel_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def servedmodel_event(
+    type: str | None, event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
     """Cache the ServedModel; enqueue it when something the reconciler reads changed."""
     _client, cache, controller = _memo_parts(memo)
     key = _key(body)
     old = cache.get(SERVED_MODEL, *key)
     before = _inputs(old)
-    cache.apply_event(SERVED_MODEL, type, body)
+    cache.apply_event(SERVED_MODEL, type, _raw(event, body))
     if type == "DELETED":
         controller.forget(*key)
         return
@@ -83,9 +91,11 @@ async def servedmodel_event(type: str | None, body: kopf.Body, memo: kopf.Memo, 
 
 
 def _child_event(kind: str, *, enqueue: bool = True) -> Any:
-    async def handler(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async def handler(
+        type: str | None, event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
+    ) -> None:
         _client, cache, controller = _memo_parts(memo)
-        cache.apply_event(kind, type, body)
+        cache.apply_event(kind, type, _raw(event, body))
         owner = Cache.owner_key(body)
         if enqueue and owner is not None and cache.get(SERVED_MODEL, *owner) is not None:
             controller.enqueue(*owner)

@@ -339,7 +339,7 @@ class KubeClient:
         """Does the server serve this group/version (route.openshift.io/v1, monitoring.coreos.com/v1)?
 
         Asked by listing one object of the first known kind of that group/version (a 404 means not
-        served), cached for DISCOVERY_TTL_S."""
+        served, a 403 that the operator may not use it), cached for DISCOVERY_TTL_S."""
         cached = self._discovery.get(group_version)
         now = asyncio.get_running_loop().time()
         if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
@@ -362,7 +362,12 @@ class KubeClient:
         except ApiError as e:
             if e.status != 403:
                 raise
-            served = True  # served, only not listable in that namespace
+            # RBAC is checked before the API's existence: whether or not it is served, the operator may
+            # not use it (its ClusterRole lacks the kind), so it must not render objects of it.
+            log.warning(
+                "discovery of %s: forbidden (%s); treating it as not served", group_version, e.message
+            )
+            served = False
         self._discovery[group_version] = (now, served)
         return served
 
