@@ -61,11 +61,6 @@ HPA_SYNC_PERIOD = "2s"
 # The aggregation layer's front proxy (kube-apiserver → aggregated API servers such as
 # prometheus-adapter's custom.metrics.k8s.io): the client name its certificate carries.
 FRONT_PROXY_CLIENT = "front-proxy-client"
-# Room for the scale benchmark (3,000 ServedModels: a Service and a Pod each, and some to spare): a /16
-# service range (65,534 ClusterIPs; the default /24 ran out at 253 Services) and a node that admits
-# that many pods (simulator-engine pods request no GPU, so pods are what limits them).
-SERVICE_CIDR = "10.0.0.0/16"
-NODE_PODS = 5000
 
 
 class ControlPlaneError(RuntimeError):
@@ -379,13 +374,12 @@ def _kubeconfig(server: str, ca_file: Path, token: str) -> str:
     return json.dumps(config, indent=2)
 
 
-def gpu_node(name: str = GPU_NODE, gpus: int = 8, pods: int = NODE_PODS) -> dict[str, Any]:
-    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration),
-    and room for `pods` pods (kwok runs none of them) instead of a kubelet's 110."""
+def gpu_node(name: str = GPU_NODE, gpus: int = 8) -> dict[str, Any]:
+    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration)."""
     capacity = {
         "cpu": "32",
         "memory": "256Gi",
-        "pods": str(pods),
+        "pods": "110",
         "ephemeral-storage": "1Ti",
         GPU_RESOURCE: str(gpus),
     }
@@ -582,7 +576,7 @@ def _start_once(
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",

@@ -2,6 +2,7 @@
 
 - `operator_verify()`: operator-framework/api's `operator-verify` (the validators `operator-sdk bundle
   validate` runs), built once with the machine's Go into the cache beside the control plane.
+- `keda_crd(plural)`: KEDA's CRDs (keda.sh: ScaledObject, TriggerAuthentication) from its Go module.
 - `olm_crd(name)`: one of OLM's CRDs (e.g. the ClusterServiceVersion's, with its full schema) from the
   same module, so the API server can validate our CSV against it.
 """
@@ -19,6 +20,9 @@ OLM_API_VERSION = "v0.30.0"
 # The Prometheus Operator's CRDs (ServiceMonitor, PrometheusRule, PodMonitor), for server-side dry-runs.
 PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
 PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+# KEDA's CRDs (ScaledObject, TriggerAuthentication), for the autoscaling tests' server-side applies.
+KEDA = "github.com/kedacore/keda/v2"
+KEDA_VERSION = "v2.21.0"
 BUILD_TIMEOUT_S = 1800.0  # cold on 2 cores: about 4 minutes of CPU, 8 with a busy machine
 
 
@@ -95,8 +99,17 @@ def prometheus_operator_crd(plural: str) -> Path:
     return path
 
 
+def keda_crd(plural: str) -> Path:
+    """KEDA's CRD file for a resource (config/crd/bases of the module), e.g. keda_crd("scaledobjects")."""
+    path = module_dir(KEDA, KEDA_VERSION) / "config" / "crd" / "bases" / f"keda.sh_{plural}.yaml"
+    if not path.is_file():
+        raise ToolUnavailable(f"{path} not in the module")
+    return path
+
+
 if __name__ == "__main__":
     # `make test` runs this before pytest: a cold build takes minutes, longer than one test may run.
     print(operator_verify())
     print(olm_crd("clusterserviceversions"))
     print(prometheus_operator_crd("servicemonitors"))
+    print(keda_crd("scaledobjects"))

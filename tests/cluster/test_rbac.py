@@ -187,12 +187,15 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
     sample = yaml.safe_load(SAMPLE.read_text())
     name = sample["metadata"]["name"]
     spec = sample["spec"]
-    # Every child kind: the weight-cache PVC, the Route and the ServiceMonitor (both APIs exist here).
+    # Every child kind: the weight-cache PVC, the Route and the ServiceMonitor (both APIs exist here),
+    # and the HPA of spec.autoscaling (read back for status.autoscaling; the Deployment's replicas
+    # handed over, which reads the live Deployment).
     sample["spec"] = {
         **spec,
         "cache": {"size": "1Gi"},
         "expose": {"route": True},
         "monitoring": {"serviceMonitor": True},
+        "autoscaling": {"maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}},
     }
     sim_args = [spec["model"], "--max-model-len", str(spec["engine"]["maxModelLen"])]
     kubeconfig = sa_kubeconfig(cp, tmp_path / "sa.kubeconfig")
@@ -212,7 +215,8 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
 
         obj = wait_for("Ready and a successful probe", ready_and_probed, log)
         assert obj["status"]["probe"]["client"]["ttftMs"] > 0
-        for kind in ("deployment", "service", "persistentvolumeclaim", "servicemonitor", "route"):
+        kinds = ("deployment", "service", "persistentvolumeclaim", "servicemonitor", "route", "hpa")
+        for kind in kinds:
             child = get(cp, kind, "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
             assert child is not None, kind
             assert child["items"], f"no {kind} made by the operator"
@@ -263,15 +267,13 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("patch", "deployments.apps", "-n", "default"),
         ("list", "pods", "--all-namespaces"),
         ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
-        # The control loop's cache: one watch per child kind.
-        ("watch", "endpointslices.discovery.k8s.io", "--all-namespaces"),
-        ("watch", "deployments.apps", "--all-namespaces"),
-        ("watch", "services", "--all-namespaces"),
-        ("watch", "persistentvolumeclaims", "--all-namespaces"),
-        ("watch", "pods", "--all-namespaces"),
-        ("patch", "servedmodels.inference.servedmodel.io", "-n", "default"),  # the legacy finalizer
         ("create", "events", "-n", "default"),
         ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+        ("patch", "horizontalpodautoscalers.autoscaling", "-n", "default"),
+        ("get", "horizontalpodautoscalers.autoscaling", "-n", "default"),
+        ("delete", "horizontalpodautoscalers.autoscaling", "-n", "default"),
+        ("patch", "scaledobjects.keda.sh", "-n", "default"),
+        ("patch", "triggerauthentications.keda.sh", "-n", "default"),
     ],
     ids=lambda a: " ".join(a),
 )

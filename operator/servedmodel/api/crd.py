@@ -66,6 +66,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Desired",
+        "type": "integer",
+        "jsonPath": ".status.autoscaling.desiredReplicas",
+        "description": "Replicas the autoscaler asks for (spec.autoscaling; status.autoscaling has the rest).",
+        "priority": 1,
+    },
+    {
         "name": "Endpoint",
         "type": "string",
         "jsonPath": ".status.endpoint",

@@ -221,10 +221,16 @@ def keda_triggers(cr: ServedModel, prom: PrometheusSource) -> list[Obj]:
             ("kv-cache-usage", f"sum({VLLM_KV_CACHE}{{{vllm}}})", t.kv_cache_usage, "AverageValue", None)
         )
     if t.probe_ttft_p95_ms is not None:
-        probe = f'namespace="{_label_value(namespace)}",name="{_label_value(cr.name)}"'
+        ns, sm = _label_value(namespace), _label_value(cr.name)
+        # The operator's series carry the ServedModel's namespace in `namespace`, or in
+        # `exported_namespace` where the scraping Prometheus enforces its own (OpenShift user workloads).
+        ttft = (
+            f'{PROBE_TTFT_P95}{{namespace="{ns}",name="{sm}"}} or '
+            f'{PROBE_TTFT_P95}{{exported_namespace="{ns}",name="{sm}"}}'
+        )
         seconds = t.probe_ttft_p95_ms / 1000
         # Active only above the target: a fast model must not be kept awake (or woken) by its latency.
-        rows.append(("probe-ttft-p95", f"max({PROBE_TTFT_P95}{{{probe}}})", seconds, "Value", seconds))
+        rows.append(("probe-ttft-p95", f"max({ttft})", seconds, "Value", seconds))
     triggers: list[Obj] = []
     for name, query, threshold, metric_type, activation in rows:
         metadata = {**base, "query": query, "threshold": _decimal(threshold)}

@@ -1,0 +1,415 @@
+"""spec.autoscaling against the real control plane: the operator's HPA / KEDA objects, replicas handed to
+the autoscaler by server-side apply field ownership (no reset, no fight), `kubectl scale sm` refused while
+autoscaled, the HPA path end to end (kube-controller-manager's HPA controller + prometheus-adapter +
+Debian's Prometheus scraping simulators labelled as the ServedModel's pods), KEDA's real CRDs accepting
+what the operator renders, and scale to zero without probe traffic.
+
+Counted and ordered, not timed: the waits are bounded polls; what is asserted is the order of replica
+counts and how many chats reached an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import cluster_support
+import pytest
+import yaml
+from autoscaling_support import Adapter, EnginePods, Load, Prometheus, adapter_binary, engine_metric
+from cluster_support import apply, condition, served_model
+
+import controlplane
+from servedmodel.api import names
+from servedmodel.scaling import HANDOVER_MANAGER
+from servedmodel.sim.process import SimulatorProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
+import olm_tools  # hack/: the KEDA CRDs from the Go module proxy
+
+OperatorProcess = Any  # tests/cluster/conftest.py's
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 120.0
+OPERATOR_MANAGER = "servedmodel-operator"
+AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "targets": {"waitingRequestsPerReplica": 2}}
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    return cluster_support.wait_for(what, probe, timeout, interval=0.3)
+
+
+def get(cp: controlplane.ControlPlane, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+    res = cp.kubectl("get", "-n", namespace, kind, name, "-o", "json", "--show-managed-fields", check=False)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def replicas_owners(deployment: dict[str, Any]) -> set[str]:
+    return {
+        m["manager"]
+        for m in deployment["metadata"].get("managedFields") or []
+        if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
+    }
+
+
+def generation_seen(cp: controlplane.ControlPlane, namespace: str, name: str) -> Callable[[], bool]:
+    def seen() -> bool:
+        obj = get(cp, namespace, "servedmodel", name) or {}
+        return (obj.get("status") or {}).get("observedGeneration") == obj.get("metadata", {}).get(
+            "generation"
+        )
+
+    return seen
+
+
+def test_server_side_apply_drops_a_field_its_only_owner_stops_applying(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """Why the operator hands spec.replicas over: without it, leaving the field out resets it to 1."""
+    cp = bare_control_plane
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "plain", "namespace": namespace},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "plain"}},
+            "template": {
+                "metadata": {"labels": {"app": "plain"}},
+                "spec": {"containers": [{"name": "c", "image": "example.invalid/none"}]},
+            },
+        },
+    }
+    manager = ["--server-side", "--field-manager=only-owner", "-f", "-"]
+    cp.kubectl("apply", *manager, input=yaml.safe_dump(dep))
+    del dep["spec"]["replicas"]
+    cp.kubectl("apply", *manager, input=yaml.safe_dump(dep))
+    obj = get(cp, namespace, "deployment", "plain")
+    assert obj is not None
+    assert obj["spec"]["replicas"] == 1
+
+
+def test_replicas_belong_to_the_autoscaler(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    operator: OperatorProcess,
+) -> None:
+    cp = control_plane
+    name = "scaled"
+    base = served_model(name, replicas=3, probe={"enabled": False})
+    apply(cp, namespace, base)
+    wait_for(
+        "Deployment at 3",
+        lambda: ((get(cp, namespace, "deployment", name) or {}).get("spec") or {}).get("replicas") == 3,
+    )
+
+    apply(cp, namespace, {**base, "spec": {**base["spec"], "autoscaling": AUTOSCALING}})
+    hpa = wait_for("the HPA", lambda: get(cp, namespace, "hpa", name))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
+    wait_for("the autoscaling generation reconciled", generation_seen(cp, namespace, name))
+    dep = get(cp, namespace, "deployment", name)
+    assert dep is not None
+    # Not reset to 1 when the operator's apply dropped the field: the hand-over manager holds it.
+    assert dep["spec"]["replicas"] == 3
+    owners = replicas_owners(dep)
+    assert OPERATOR_MANAGER not in owners
+    assert HANDOVER_MANAGER in owners
+
+    # The scale subresource is frozen while autoscaled, and says why.
+    res = cp.kubectl("scale", "-n", namespace, "servedmodel", name, "--replicas=4", check=False)
+    assert res.returncode != 0
+    assert "spec.autoscaling.minReplicas" in res.stderr, res.stderr
+
+    # What the HPA does (an update through /scale) stays: a later apply pass does not fight it.
+    cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=2")
+    spec = {**base["spec"], "autoscaling": {**AUTOSCALING, "maxReplicas": 4}}
+    apply(cp, namespace, {**base, "spec": spec})
+    wait_for(
+        "the HPA's new maxReplicas",
+        lambda: (get(cp, namespace, "hpa", name) or {})["spec"]["maxReplicas"] == 4,
+    )
+    wait_for("that generation reconciled", generation_seen(cp, namespace, name))
+    dep = get(cp, namespace, "deployment", name)
+    assert dep is not None
+    assert dep["spec"]["replicas"] == 2
+
+    # status.autoscaling says what the HPA says (no adapter here: it cannot get the metric).
+    def autoscaling() -> dict[str, Any] | None:
+        auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get("autoscaling") or {}
+        return auto if auto.get("reason") not in (None, "HorizontalPodAutoscalerMissing") else None
+
+    auto = wait_for("status.autoscaling from the HPA", autoscaling)
+    assert auto["autoscaler"] == "HorizontalPodAutoscaler"
+    assert auto["horizontalPodAutoscaler"] == name
+    assert auto["reason"].startswith("Failed"), auto  # FailedGetPodsMetric: no custom.metrics.k8s.io
+    described = cp.kubectl("describe", "-n", namespace, "servedmodel", name).stdout
+    assert "Autoscaling:" in described
+    assert "Horizontal Pod Autoscaler:" in described
+
+    # Autoscaling off: the HPA is pruned and spec.replicas is the operator's again.
+    apply(cp, namespace, base)
+    wait_for("the HPA pruned", lambda: get(cp, namespace, "hpa", name) is None)
+    wait_for(
+        "Deployment back at spec.replicas",
+        lambda: (get(cp, namespace, "deployment", name) or {})["spec"]["replicas"] == 3,
+    )
+    dep = get(cp, namespace, "deployment", name)
+    assert dep is not None
+    assert OPERATOR_MANAGER in replicas_owners(dep)
+    wait_for(
+        "status.autoscaling gone",
+        lambda: "autoscaling" not in ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}),
+    )
+
+
+@pytest.fixture
+def engines() -> Iterator[list[SimulatorProcess]]:
+    """Three simulators with a batch of one: a second concurrent request waits in the queue."""
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-model-len", "8192"]
+    args += ["--max-num-seqs", "1", "--sim-step-base-ms", "20"]
+    sims = [SimulatorProcess(args, ready_timeout=60) for _ in range(3)]
+    try:
+        for s in sims:
+            s.__enter__()
+        yield sims
+    finally:
+        for s in sims:
+            s.__exit__(None, None, None)
+
+
+def test_hpa_scales_on_waiting_requests_end_to_end(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    operator: OperatorProcess,
+    engines: list[SimulatorProcess],
+) -> None:
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    if not adapter_binary().is_file():
+        pytest.skip(f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`")
+    cp = control_plane
+    name = "qwen-hpa"
+    pods = EnginePods(cp, namespace, names.selector_string(name).replace(",", "%2C"), engines)
+    prom = Prometheus(pods.targets_file)
+    adapter: Adapter | None = None
+    load: Load | None = None
+    try:
+        prom.wait_ready()
+        adapter = Adapter(cp, prom.base_url)
+        adapter.register()
+        wait_for("custom.metrics.k8s.io Available", adapter.available, timeout=180)
+        spec = {
+            "servedModelName": "qwen",
+            "probe": {"enabled": False},
+            "autoscaling": {**AUTOSCALING, "scaleDown": {"stabilizationWindowSeconds": 5}},
+        }
+        apply(cp, namespace, served_model(name, **spec))
+        pods.start()
+
+        def metric_served() -> Any:
+            got = adapter.raw(f"/namespaces/{namespace}/pods/*/vllm_num_requests_waiting")  # type: ignore[union-attr]
+            return got if got.get("items") else None
+
+        wait_for("the adapter serving vllm_num_requests_waiting for the pod", metric_served, timeout=180)
+
+        def hpa_active() -> Any:
+            hpa = get(cp, namespace, "hpa", name) or {}
+            c = condition(hpa, "ScalingActive")
+            return hpa if c.get("status") == "True" else None
+
+        wait_for("HPA ScalingActive (the metric reaches the HPA controller)", hpa_active)
+        seen: list[int] = []
+
+        def replicas() -> int:
+            n = int(((get(cp, namespace, "deployment", name) or {}).get("spec") or {}).get("replicas", 0))
+            if not seen or seen[-1] != n:
+                seen.append(n)
+            return n
+
+        assert replicas() == 1
+        # Eight streams against the first pod's engine (a batch of one): seven wait.
+        first = pods.assigned[pods.live_pods()[0]["metadata"]["name"]]
+        load = Load(engines[first].base_url, "qwen", 8)
+        wait_for(
+            "the queue on the loaded engine",
+            lambda: engine_metric(engines[first], "vllm:num_requests_waiting") >= 4,
+        )
+        wait_for("the HPA scaled the Deployment up to maxReplicas", lambda: replicas() == 3, timeout=180)
+        up = list(seen)
+        status = wait_for(
+            "status.autoscaling says 3",
+            lambda: (
+                s
+                if (
+                    s := ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
+                        "autoscaling"
+                    )
+                    or {}
+                ).get("desiredReplicas")
+                == 3
+                else None
+            ),
+        )
+        assert status["lastScale"]["toReplicas"] == 3
+        load.stop()
+        load = None
+        wait_for("the queue drained", lambda: engine_metric(engines[first], "vllm:num_requests_waiting") == 0)
+        wait_for("the HPA scaled down after the stabilization window", lambda: replicas() == 1, timeout=180)
+        # Ordered: 1 → (up) → 3 while loaded, then back to 1; never down before the load stopped.
+        assert up[0] == 1, up
+        assert up[-1] == 3, up
+        assert up == sorted(up), up
+        assert seen[len(up) - 1 :] == sorted(seen[len(up) - 1 :], reverse=True), seen
+        final = wait_for(
+            "status.autoscaling's last scale: 3 → 1",
+            lambda: (
+                a
+                if (
+                    a := ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
+                        "autoscaling"
+                    )
+                    or {}
+                )
+                .get("lastScale", {})
+                .get("toReplicas")
+                == 1
+                else None
+            ),
+        )
+        assert final["lastScale"].get("fromReplicas") == 3, final
+        dep = get(cp, namespace, "deployment", name)
+        assert dep is not None
+        assert OPERATOR_MANAGER not in replicas_owners(dep)
+    finally:
+        if load is not None:
+            load.stop()
+        pods.stop()
+        if adapter is not None:
+            adapter.stop()
+        prom.stop()
+
+
+@pytest.fixture
+def keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
+    """KEDA's ScaledObject and TriggerAuthentication CRDs (github.com/kedacore/keda/v2 config/crd), removed
+    afterwards so the rest of the session discovers no keda.sh."""
+    try:
+        paths = [olm_tools.keda_crd(p) for p in ("scaledobjects", "triggerauthentications")]
+    except olm_tools.ToolUnavailable as e:
+        pytest.skip(f"KEDA CRDs unavailable: {e}")
+    args = [a for p in paths for a in ("-f", str(p))]
+    control_plane.kubectl("apply", "--server-side", *args)
+    for crd in ("scaledobjects.keda.sh", "triggerauthentications.keda.sh"):
+        control_plane.wait_established(crd)
+    try:
+        yield
+    finally:
+        control_plane.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
+
+
+def test_keda_crds_accept_the_rendered_golden_objects(
+    control_plane: controlplane.ControlPlane, namespace: str, keda_crds: None
+) -> None:
+    golden = ROOT / "tests" / "golden" / "expected" / "keda-openshift.yaml"
+    docs = [d for d in yaml.safe_load_all(golden.read_text()) if d and d["apiVersion"].startswith("keda.sh/")]
+    assert {d["kind"] for d in docs} == {"ScaledObject", "TriggerAuthentication"}
+    for d in docs:
+        d["metadata"]["namespace"] = namespace
+        d["metadata"].pop("ownerReferences")
+    res = control_plane.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(docs)
+    )
+    assert "serverside-applied (server dry run)" in res.stdout, res.stdout
+
+
+def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    keda_crds: None,
+) -> None:
+    cp = control_plane
+    name = "qwen-keda"
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+        spec = {
+            "servedModelName": "qwen",
+            "probe": {"interval": 5},
+            "autoscaling": {
+                **AUTOSCALING,
+                "scaleToZero": True,
+                "cooldownSeconds": 60,
+                "prometheus": {
+                    "url": "https://thanos-querier.openshift-monitoring.svc:9092",
+                    "bearerTokenSecretRef": {"name": "keda-token", "key": "token"},
+                },
+            },
+        }
+        try:
+            apply(cp, namespace, served_model(name, **spec))
+            so = wait_for("the ScaledObject", lambda: get(cp, namespace, "scaledobject", name))
+            assert so["spec"]["idleReplicaCount"] == 0
+            assert so["spec"]["triggers"][0]["metadata"]["query"] == (
+                f'sum(vllm:num_requests_waiting{{namespace="{namespace}",model_name="qwen"}})'
+            )
+            auth = get(cp, namespace, "triggerauthentication", f"{name}-prometheus")
+            assert auth is not None
+            assert auth["spec"]["secretTargetRef"] == [
+                {"parameter": "bearerToken", "name": "keda-token", "key": "token"}
+            ]
+            assert get(cp, namespace, "hpa", name) is None  # KEDA makes its own HPA; the operator none
+
+            def serving(status: str) -> Callable[[], Any]:
+                def check() -> Any:
+                    obj = get(cp, namespace, "servedmodel", name)
+                    return obj if condition(obj, "Serving").get("status") == status else None
+
+                return check
+
+            wait_for("Serving True (probing the engine)", serving("True"))
+            obj = get(cp, namespace, "servedmodel", name) or {}
+            assert (
+                obj["status"]["autoscaling"]["reason"] == "HorizontalPodAutoscalerMissing"
+            )  # no KEDA operator
+
+            # KEDA's idle scale to zero, as KEDA does it: the Deployment's scale subresource to 0.
+            cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=0")
+            obj = wait_for("Serving Unknown: ScaledToZero", serving("Unknown"))
+            assert condition(obj, "Serving")["reason"] == "ScaledToZero"
+            assert condition(obj, "Ready")["reason"] == "ScaledToZero"
+            assert obj["status"]["autoscaling"]["reason"] == "ScaledToZero"
+            chats_at_zero = engine_metric(sim, "vllm:request_success_total")
+            # Three probe intervals at zero (an observation window, not a timing assertion): the
+            # scheduler keeps coming back to the model and sends nothing.
+            time.sleep(3 * 5)
+            assert engine_metric(sim, "vllm:request_success_total") == chats_at_zero
+            assert engine_metric(sim, "vllm:num_requests_running") == 0
+            # No stale latency signal at zero (it would keep a KEDA trigger active).
+            assert not [
+                line
+                for line in op.metrics().splitlines()
+                if line.startswith("servedmodel_probe_ttft_p95_seconds{") and f'name="{name}"' in line
+            ]
+
+            # Scaled up again (KEDA's first active trigger): probing, and serving, resume.
+            cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=1")
+            wait_for("Serving True again", serving("True"))
+            assert engine_metric(sim, "vllm:request_success_total") > chats_at_zero
+        finally:
+            cp.kubectl(
+                "delete",
+                "servedmodels",
+                "--all",
+                "-n",
+                namespace,
+                "--wait=true",
+                "--timeout=30s",
+                check=False,
+            )
