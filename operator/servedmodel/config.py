@@ -50,6 +50,16 @@ class OperatorConfig(BaseSettings):
             "slot (earliest due first)."
         ),
     )
+    probe_max_pods_per_cycle: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description=(
+            "Engine pods of one ServedModel probed per cycle (in parallel, each at its own address); with "
+            "more replicas the cycles rotate through them, so each pod is probed every "
+            "ceil(replicas / this) intervals."
+        ),
+    )
     metrics_port: int = Field(
         default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off."
     )

@@ -242,6 +242,7 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         ("delete", "nodes"),
         ("create", "pods", "-n", "default"),
         ("create", "pods/exec", "-n", "default"),
+        ("patch", "pods", "-n", "default"),  # only pods/status, for the readiness gate
         ("delete", "namespaces"),
         ("create", "clusterrolebindings"),
         ("escalate", "clusterroles"),
@@ -266,6 +267,7 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("patch", "servedmodels.inference.servedmodel.io/status", "-n", "default"),
         ("patch", "deployments.apps", "-n", "default"),
         ("list", "pods", "--all-namespaces"),
+        ("patch", "pods/status", "-n", "default"),  # the probe's readiness gate
         ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
         ("create", "events", "-n", "default"),
         ("watch", "customresourcedefinitions.apiextensions.k8s.io"),

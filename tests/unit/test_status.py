@@ -588,6 +588,12 @@ SERVING_FALSE = {
     "message": "connect: refused",
 }
 SERVING_TRUE = {"type": "Serving", "status": "True", "reason": "ChatCompletionSucceeded", "message": ""}
+SERVING_PARTLY = {
+    "type": "Serving",
+    "status": "True",
+    "reason": "ReplicasFailing",
+    "message": "2/3 replicas serving; pod q-2: StreamStalled: no chunk within the read limit",
+}
 
 
 @pytest.mark.parametrize(
@@ -599,8 +605,17 @@ SERVING_TRUE = {"type": "Serving", "status": "True", "reason": "ChatCompletionSu
         (None, "http://llm.example:8000", SERVING_FALSE, "Degraded", ("True", "ConnectionRefused")),
         # Not ready anyway: the Deployment's story stands, the probe adds nothing.
         (STARTING_OBS, None, SERVING_FALSE, "Progressing", ("False", "AsExpected")),
+        # One replica of three fails its own probe: Degraded, naming it, not "not serving".
+        (READY_OBS, None, SERVING_PARTLY, "Degraded", ("True", "ReplicasFailing")),
     ],
-    ids=["ready-but-chat-fails", "ready-and-serving", "probe-off", "external-chat-fails", "starting"],
+    ids=[
+        "ready-but-chat-fails",
+        "ready-and-serving",
+        "probe-off",
+        "external-chat-fails",
+        "starting",
+        "one-replica-fails",
+    ],
 )
 def test_probe_serving_degrades_a_ready_model(
     observed: Observed | None,

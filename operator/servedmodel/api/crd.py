@@ -35,6 +35,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     },
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
     {
+        "name": "Serving",
+        "type": "string",
+        "jsonPath": ".status.probe.serving",
+        "description": "Replicas whose own probe completed a real chat request / replicas probed.",
+    },
+    {
         "name": "TTFT",
         "type": "number",
         "jsonPath": ".status.probe.client.ttftMs",

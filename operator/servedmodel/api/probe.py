@@ -22,6 +22,8 @@ DEFAULT_PROBE_PROMPT = (
     "Repeat these words exactly, separated by spaces: one two three four five six seven eight"
 )
 DEFAULT_PROBE_STOP = ["five"]
+# The pod condition of the readiness gate (spec.probe.readinessGate): set by the operator on each pod.
+READINESS_GATE_CONDITION = "inference.servedmodel.io/serving"
 
 CheckResultValue = Literal["Pass", "Fail", "Skipped"]
 ProbeResultValue = Literal["Success", "Failure"]
@@ -151,6 +153,16 @@ class ProbeSpec(ApiModel):
     )
     slo: ProbeSLO | None = Field(
         default=None, description="Latency objectives; when set, the LatencySLOMet condition is maintained."
+    )
+    readiness_gate: bool = Field(
+        default=False,
+        description=(
+            "Gate each engine pod's readiness on this probe: the pod template carries the readiness gate "
+            "inference.servedmodel.io/serving and the operator sets that pod condition from each pod's "
+            "probe, so a pod that answers /health but fails a real chat completion leaves the Service's "
+            "endpoints, and a new pod receives traffic only after a real generation succeeded. Pods then "
+            "wait for the operator to probe them (see docs/operations.md)."
+        ),
     )
 
 
@@ -335,6 +347,30 @@ class ProbeChecks(ApiModel):
     )
 
 
+class PodProbe(ApiModel):
+    """One engine pod's own probe (its address, not the Service's): Serving, latencies, scheduler gauges."""
+
+    name: str = Field(max_length=253, description="Pod name.")
+    serving: Literal["True", "False", "Unknown"] = Field(
+        description="True when this pod's last probe completed a real chat request."
+    )
+    reason: str = Field(
+        max_length=128, description="CamelCase reason: Serving, or why not (StreamStalled, EngineStalled, ...)."
+    )
+    message: str | None = Field(default=None, max_length=512, description="Details of the pod's last probe.")
+    endpoint: str | None = Field(default=None, max_length=2048, description="Base URL the pod was probed at.")
+    ttft_ms: float | None = Field(default=None, description="Client TTFT of the pod's last probe, ms.")
+    tpot_ms: float | None = Field(default=None, description="Client TPOT of the pod's last probe, ms.")
+    e2e_ms: float | None = Field(default=None, description="Client end to end of the pod's last probe, ms.")
+    running: int | None = Field(default=None, ge=0, description="The pod's num_requests_running.")
+    waiting: int | None = Field(default=None, ge=0, description="The pod's num_requests_waiting.")
+    kv_cache_usage: float | None = Field(
+        default=None, ge=0, le=1, description="The pod's KV cache usage 0..1 (kv_cache_usage_perc)."
+    )
+    last_probe_time: str | None = Field(default=None, description="RFC 3339 time the pod was last probed.")
+    consecutive_failures: int = Field(default=0, ge=0, description="Failed probes of this pod in a row.")
+
+
 class ProbeStatus(ApiModel):
     """What the last probe cycle measured, plus the rolling window."""
 
@@ -366,3 +402,18 @@ class ProbeStatus(ApiModel):
     counters: ProbeCounters | None = Field(default=None, description="Engine token counters and rates.")
     window: ProbeWindow | None = Field(default=None, description="Rolling p50/p95 over recent probes.")
     checks: ProbeChecks | None = Field(default=None, description="Request-path checks of the last probe.")
+    serving: str | None = Field(
+        default=None,
+        max_length=32,
+        description="Serving replicas / probed replicas, e.g. 2/3 (managed mode), for the Serving column.",
+    )
+    pods: list[PodProbe] | None = Field(
+        default=None,
+        max_length=256,
+        description=(
+            "Each engine pod's own probe, by name (managed mode). The top-level figures are the aggregate "
+            "over the pods probed in the last cycle: client latencies the median of the serving pods, "
+            "scheduler gauges summed (KV cache usage: the highest pod)."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )

@@ -1,9 +1,10 @@
 """Pure: where a ServedModel's probe connects.
 
-Managed mode: chat through the Service (cluster DNS name), /metrics from every ready engine pod listed in
-the Service's EndpointSlices. External mode: spec.endpoint for both. An operator-wide override
-(SERVEDMODEL_ENDPOINT_OVERRIDE) replaces the resolution; the local control plane's pods are fake and
-their addresses must never be contacted.
+Managed mode: every engine pod at its own address (pod IP, engine port), chat and /metrics alike (the
+probe scheduler walks the pods; the Service view, `resolve_managed`, remains for one-shot use). External
+mode: spec.endpoint for both. An operator-wide override (SERVEDMODEL_ENDPOINT_OVERRIDE) replaces the
+resolution, per ServedModel or per pod; the local control plane's pods are fake and their addresses
+must never be contacted.
 """
 
 from __future__ import annotations
@@ -47,6 +48,35 @@ def parse_override(value: str | None, namespace: str, name: str) -> str | None:
         if key.strip() == f"{namespace}/{name}":
             return normalise_base_url(url)
     return None
+
+
+def parse_pod_overrides(value: str | None, namespace: str, name: str) -> dict[str, str]:
+    """Per-pod entries of SERVEDMODEL_ENDPOINT_OVERRIDE: 'ns/name/pod=URL' -> {pod: base URL}.
+
+    They let tests and `make dev` give each (fake) engine pod its own local engine; a ServedModel with
+    per-pod entries has only those pods probed (the others' addresses exist nowhere)."""
+    out: dict[str, str] = {}
+    if not value:
+        return out
+    for entry in value.split(","):
+        key, sep, url = entry.strip().partition("=")
+        parts = key.strip().split("/")
+        if sep and len(parts) == 3 and parts[0] == namespace and parts[1] == name and parts[2]:
+            out[parts[2]] = normalise_base_url(url)
+    return out
+
+
+def pod_base_url(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> str | None:
+    """http://<pod IP>:<engine port> of a pod (its container port named http), None without an IP."""
+    status = pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip:
+        return None
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == ENGINE_PORT_NAME and isinstance(p.get("containerPort"), int):
+                port = p["containerPort"]
+    return f"http://{_host(str(ip))}:{port}"
 
 
 def _host(address: str) -> str:

@@ -17,6 +17,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "request_success": ("vllm:request_success_total",),
     "prompt_tokens": ("vllm:prompt_tokens_total",),
     "generation_tokens": ("vllm:generation_tokens_total",),
+    # requests evicted from the KV cache and recomputed (KVCachePressure, probe/replicas.py)
+    "preemptions": ("vllm:num_preemptions_total",),
     # prompt tokens served from the prefix cache (0.32+), else the older hit counter (also in tokens)
     "prompt_tokens_cached": ("vllm:prompt_tokens_cached_total", "vllm:prefix_cache_hits_total"),
 }

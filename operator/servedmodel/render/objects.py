@@ -20,6 +20,7 @@ from typing import Any
 from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel
 from servedmodel.api import names as n
 from servedmodel.api.crd import dump_yaml
+from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
@@ -264,6 +265,9 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         "containers": [container],
         "volumes": volumes,
     }
+    if spec.probe.readiness_gate:
+        # Ready only once the operator's probe of this very pod completed a real chat request.
+        pod_spec["readinessGates"] = [{"conditionType": READINESS_GATE_CONDITION}]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
     if spec.tolerations:

@@ -381,6 +381,9 @@ class Engine:
         self.prefix_hits = 0
         self.max_waiting = 0  # high-water marks since start (or /debug/reset)
         self.max_running = 0
+        # faults.engine_stalled: nothing is scheduled or finished, not even an abort, until thawed.
+        self.frozen = False
+        self.deferred_aborts: list[tuple[str, str]] = []
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -388,7 +391,10 @@ class Engine:
         self.waiting.append(req)
 
     def abort(self, request_id: str, reason: str = "abort", now: float | None = None) -> Request | None:
-        """Client gone (or engine failure): free the slot and the blocks at once."""
+        """Client gone (or engine failure): free the slot and the blocks at once (when thawed)."""
+        if self.frozen:
+            self.deferred_aborts.append((request_id, reason))
+            return None
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
@@ -399,6 +405,14 @@ class Engine:
                 self.waiting.remove(req)
         self._finish(req, reason, None, now)
         return req
+
+    def freeze(self, frozen: bool, now: float) -> None:
+        """Stall (True) or resume the engine; resuming applies the aborts that arrived meanwhile."""
+        self.frozen = frozen
+        if not frozen:
+            deferred, self.deferred_aborts = self.deferred_aborts, []
+            for request_id, reason in deferred:
+                self.abort(request_id, reason, now)
 
     def abort_all(self, reason: str, now: float | None = None) -> list[Request]:
         return [r for r in (self.abort(rid, reason, now) for rid in list(self.requests)) if r is not None]

@@ -19,6 +19,9 @@ class Faults:
     drop_after_tokens: int | None = None  # connection closed mid-stream after N tokens
     first_byte_delay_ms: float = 0.0  # delay before the response starts (slow proxy / cold path)
     malformed_chunk_rate: float = 0.0  # share of content chunks replaced by truncated JSON
+    # The engine schedules nothing while /health stays 200 and /metrics keeps answering (a wedged engine
+    # core, vLLM #39863): running requests make no progress, new ones wait; aborts wait for it too.
+    engine_stalled: bool = False
     dead: bool = False  # engine died: /health 503, requests fail with 500
     ignore_stop: bool = False  # a server that ignores stop strings (the probe's stop-marker check)
     coalesce: bool = False  # the whole stream held back and delivered in one lump (a buffering proxy)

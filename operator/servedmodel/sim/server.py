@@ -218,6 +218,10 @@ class Simulator:
         return web.json_response({"version": VLLM_VERSION})
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        if self.engine.frozen:
+            # Stalled: no step updates the queue gauges, yet the scheduler's queues are what they are.
+            self.metrics.running.set(len(self.engine.running))
+            self.metrics.waiting.set(len(self.engine.waiting))
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE
         return resp
@@ -323,6 +327,11 @@ class Simulator:
             for req in self.engine.requests.values():
                 req.error = ENGINE_DEAD_MESSAGE  # before the abort: its notification sends the error
             self.engine.abort_all("error", time.monotonic())
+        stalled = self.faults.engine_stalled and not self.faults.dead
+        if stalled != self.engine.frozen:
+            self.engine.freeze(stalled, time.monotonic())
+            self.loop.paused = stalled
+            self.loop.kick()
         log.info("faults now %s", self.faults.as_dict())
         return web.json_response(self.faults.as_dict(), dumps=_dumps)
 

@@ -1,0 +1,324 @@
+"""Pure: one probe cycle over several engine pods -> each pod's verdict, the aggregate status.probe,
+the Serving summary ("2/3"), EngineStalled / KVCachePressure, and each pod's readiness-gate condition.
+
+Each pod is probed at its own address (probing.py does the I/O); what comes back per pod is a
+ProbeOutcome with that pod's own /metrics before and after. From those and the previous cycle's figures:
+
+- EngineStalled: the engine's generation counter (vllm:generation_tokens_total) did not move across a
+  window of at least MIN_STALL_WINDOW_S while requests were running (a hung forward pass), or while
+  requests were waiting and none running (a scheduler that admits nothing). The window is the probe's own
+  (scrape before → scrape after the chat, so it is reported even when the chat times out) or, when that
+  was too short, the time since the pod's previous cycle.
+- KVCachePressure: KV cache usage at or above KV_PRESSURE_USAGE with vllm:num_preemptions rising since
+  the previous cycle (or across the probe's window): the engine is recomputing requests it had to evict.
+
+Top-level status.probe is the aggregate over the pods probed this cycle: client latencies are the median
+of the serving pods, scheduler gauges and counters add up over pods (KV cache usage: the highest pod),
+server phases come from the summed histograms; checks, usage and finish reason are those of the first
+serving pod by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final, Literal
+
+from servedmodel.api.base import Condition
+from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus
+
+from . import errors as er
+from .client import ProbeOutcome
+from .metrics import MetricsSnapshot, combine, delta
+from .report import rfc3339
+
+ENGINE_STALLED: Final = "EngineStalled"
+KV_CACHE_PRESSURE: Final = "KVCachePressure"
+REPLICAS_FAILING: Final = "ReplicasFailing"  # Serving True: some replicas serve, others fail
+MIN_STALL_WINDOW_S: Final = 1.0
+KV_PRESSURE_USAGE: Final = 0.9
+# Failures on the operator's side (it could not read a Secret): they say nothing about the pod, so its
+# readiness gate keeps what it had.
+OPERATOR_SIDE: Final = frozenset({er.SECRET_UNAVAILABLE})
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A pod's figures at the end of a cycle, for the next cycle's deltas (monotonic seconds)."""
+
+    snapshot: MetricsSnapshot
+    at: float
+
+
+@dataclass
+class PodResult:
+    """One pod's cycle: where it was probed, what came back, and what that says."""
+
+    name: str
+    endpoint: str
+    outcome: ProbeOutcome
+    stalled: str | None = None  # the EngineStalled message, with the gauges
+    kv_pressure: str | None = None  # the KVCachePressure message, with the figures
+
+    @property
+    def serving(self) -> bool:
+        return self.outcome.ok and self.stalled is None
+
+    @property
+    def reason(self) -> str:
+        if self.stalled is not None:
+            return ENGINE_STALLED
+        return er.SERVING if self.outcome.failure is None else self.outcome.failure.reason
+
+    @property
+    def message(self) -> str:
+        f = self.outcome.failure
+        parts = [] if f is None else [f.message]
+        if self.stalled is not None:
+            parts.append(self.stalled)
+        if f is None and self.outcome.figures is not None:
+            fig = self.outcome.figures
+            parts.append(f"TTFT {fig.ttft_ms or 0:.1f} ms, e2e {fig.e2e_ms or 0:.1f} ms")
+        return "; ".join(parts)[:500]
+
+
+def _gauge(s: MetricsSnapshot | None, key: str) -> float:
+    return float((s.gauges if s is not None else {}).get(key, 0.0))
+
+
+def _gauges_text(s: MetricsSnapshot) -> str:
+    return (
+        f"running {_gauge(s, 'running'):.0f}, waiting {_gauge(s, 'waiting'):.0f}, "
+        f"KV cache {_gauge(s, 'kv_cache_usage'):.0%}"
+    )
+
+
+def stall_verdict(out: ProbeOutcome, now: float, previous: Window | None) -> str | None:
+    """The EngineStalled message when the generation counter stood still with requests in the engine."""
+    after = out.after
+    if after is None:
+        return None
+    gen = after.counters.get("generation_tokens")
+    if gen is None:
+        return None
+    windows: list[tuple[MetricsSnapshot, float]] = []
+    if out.before is not None and out.ended is not None:
+        windows.append((out.before, (out.ended - out.started).total_seconds()))
+    if previous is not None:
+        windows.append((previous.snapshot, now - previous.at))
+    running, waiting = _gauge(after, "running"), _gauge(after, "waiting")
+    for start, span in windows:
+        g0 = start.counters.get("generation_tokens")
+        if span < MIN_STALL_WINDOW_S or g0 is None or gen != g0:
+            continue
+        if running > 0:
+            return (
+                f"generation counter flat at {gen:.0f} tokens for {span:.1f} s while requests run "
+                f"({_gauges_text(after)})"
+            )
+        if waiting > 0:
+            return (
+                f"requests waiting while nothing runs for {span:.1f} s, generation counter flat at "
+                f"{gen:.0f} tokens ({_gauges_text(after)})"
+            )
+    return None
+
+
+def kv_pressure_verdict(out: ProbeOutcome, previous: Window | None) -> str | None:
+    """The KVCachePressure message when KV cache usage is near full and preemptions rose."""
+    after = out.after
+    if after is None or "preemptions" not in after.counters:
+        return None
+    # The gauge is sampled at each scrape and drops as soon as a preemption frees blocks: take the
+    # highest of the window's samples (before, after, and the previous cycle's).
+    usage = max(
+        _gauge(after, "kv_cache_usage"),
+        _gauge(out.before, "kv_cache_usage"),
+        _gauge(previous.snapshot if previous is not None else None, "kv_cache_usage"),
+    )
+    if usage < KV_PRESSURE_USAGE:
+        return None
+    now_p = after.counters["preemptions"]
+    start = previous.snapshot if previous is not None else out.before
+    if start is None or "preemptions" not in start.counters:
+        return None
+    rose = now_p - start.counters["preemptions"]
+    if rose <= 0:
+        return None
+    since = "since the previous probe" if previous is not None else "during the probe"
+    return (
+        f"KV cache usage {usage:.0%} with {rose:.0f} preemptions {since} ({now_p:.0f} in all); "
+        f"running {_gauge(after, 'running'):.0f}, waiting {_gauge(after, 'waiting'):.0f}"
+    )
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(results: Sequence[PodResult]) -> ProbeOutcome:
+    """The cycle as one outcome (see the module docstring); a failure only when no pod serves."""
+    assert results, "aggregate of no pod"
+    serving = [r for r in results if r.serving]
+    base = serving[0].outcome if serving else results[0].outcome
+    out = dataclasses.replace(base)
+    if not serving:
+        first = results[0]
+        out.failure = er.ProbeFailure(first.reason, first.message)
+    figs = [r.outcome.figures for r in serving if r.outcome.figures is not None]
+    if len(figs) > 1:
+        out.figures = dataclasses.replace(
+            figs[0],
+            headers_ms=_median([f.headers_ms for f in figs]),
+            ttft_ms=_median([f.ttft_ms for f in figs]),
+            tpot_ms=_median([f.tpot_ms for f in figs]),
+            itl_p50_ms=_median([f.itl_p50_ms for f in figs]),
+            itl_p95_ms=_median([f.itl_p95_ms for f in figs]),
+            e2e_ms=_median([f.e2e_ms for f in figs]),
+        )
+    paired = [r.outcome for r in results if r.outcome.before is not None and r.outcome.after is not None]
+    if len(paired) > 1:
+        out.before = combine(o.before for o in paired if o.before is not None)
+        out.after = combine(o.after for o in paired if o.after is not None)
+        if out.before is not None and out.after is not None:
+            out.window = delta(out.before, out.after)
+            done = out.window.counters.get("request_success")
+            sent = sum(len(o.timings) for o in paired)
+            out.isolated = None if out.window.reset or done is None else round(done) == sent and sent > 0
+    out.ended = max((r.outcome.ended for r in results if r.outcome.ended is not None), default=base.ended)
+    return out
+
+
+def pod_entry(r: PodResult, previous: PodProbe | None) -> PodProbe:
+    """status.probe.pods[] for a pod probed this cycle."""
+    out = r.outcome
+    snap = out.after or out.before
+    f = out.figures if r.serving else None
+
+    def rnd(v: float | None) -> float | None:
+        return None if v is None else round(v, 3)
+
+    kv = snap.gauges.get("kv_cache_usage") if snap is not None else None
+    return PodProbe(
+        name=r.name,
+        serving="True" if r.serving else "False",
+        reason=r.reason,
+        message=r.message or None,
+        endpoint=r.endpoint,
+        ttft_ms=rnd(f.ttft_ms) if f else None,
+        tpot_ms=rnd(f.tpot_ms) if f else None,
+        e2e_ms=rnd(f.e2e_ms) if f else None,
+        running=round(snap.gauges["running"]) if snap is not None and "running" in snap.gauges else None,
+        waiting=round(snap.gauges["waiting"]) if snap is not None and "waiting" in snap.gauges else None,
+        kv_cache_usage=round(min(max(kv, 0.0), 1.0), 4) if kv is not None else None,
+        last_probe_time=rfc3339(out.ended or out.started),
+        consecutive_failures=0 if r.serving else (previous.consecutive_failures if previous else 0) + 1,
+    )
+
+
+def merge_pods(
+    previous: Sequence[PodProbe], probed: Sequence[PodResult], eligible: Sequence[str]
+) -> list[PodProbe]:
+    """This cycle's pods, plus the last entry of probe-able pods a bounded rotation skipped; by name.
+    Pods that went away, or whose containers are no longer ready, drop out."""
+    before = {p.name: p for p in previous}
+    out = {r.name: pod_entry(r, before.get(r.name)) for r in probed}
+    for name in eligible:
+        if name not in out and name in before:
+            out[name] = before[name]
+    return [out[n] for n in sorted(out)]
+
+
+def summarize(status: ProbeStatus, pods: Sequence[PodProbe], replicas: int) -> ProbeStatus:
+    """status.probe with the replicas' view: "k/n" (pods whose last probe served / engine pods that exist,
+    ready or not), and which pods fail and why."""
+    serving = sum(1 for p in pods if p.serving == "True")
+    failing = [p for p in pods if p.serving != "True"]
+    total = max(replicas, len(pods))
+    status = status.model_copy(update={"pods": list(pods), "serving": f"{serving}/{total}"})
+    if not failing:
+        return status
+    detail = "; ".join(f"pod {p.name}: {p.reason}: {p.message or ''}".rstrip(": ") for p in failing)
+    head = f"{serving}/{total} replicas serving"
+    if serving:
+        return status.model_copy(
+            update={"reason": REPLICAS_FAILING, "message": f"{head}; {detail}; {status.message or ''}"[:1000]}
+        )
+    return status.model_copy(update={"message": f"{head}; {detail}"[:1000]})
+
+
+def _condition(
+    ctype: str,
+    cstatus: ConditionStatus,
+    reason: str,
+    message: str,
+    existing: Sequence[Mapping[str, Any]],
+    generation: int | None,
+    now: datetime,
+) -> Condition:
+    prev = next((c for c in existing if isinstance(c, Mapping) and c.get("type") == ctype), None)
+    ltt = rfc3339(now, "seconds")
+    if prev is not None and prev.get("status") == cstatus and prev.get("lastTransitionTime"):
+        ltt = str(prev["lastTransitionTime"])
+    return Condition(
+        type=ctype,
+        status=cstatus,
+        reason=reason,
+        message=message[:1000],
+        observed_generation=generation,
+        last_transition_time=ltt,
+    )
+
+
+def replica_conditions(
+    probed: Sequence[PodResult],
+    existing: Sequence[Mapping[str, Any]],
+    generation: int | None,
+    now: datetime,
+) -> list[Condition]:
+    """EngineStalled and KVCachePressure from the pods' gauges; none when no pod's gauges were read."""
+    if not any(r.outcome.after is not None for r in probed):
+        return []
+    stalled = [f"pod {r.name}: {r.stalled}" for r in probed if r.stalled]
+    pressure = [f"pod {r.name}: {r.kv_pressure}" for r in probed if r.kv_pressure]
+    return [
+        _condition(ENGINE_STALLED, "True", "GenerationStalled", "; ".join(stalled), existing, generation, now)
+        if stalled
+        else _condition(ENGINE_STALLED, "False", "GenerationProgressing", "", existing, generation, now),
+        _condition(
+            KV_CACHE_PRESSURE, "True", "PreemptionsRising", "; ".join(pressure), existing, generation, now
+        )
+        if pressure
+        else _condition(KV_CACHE_PRESSURE, "False", "NoPressure", "", existing, generation, now),
+    ]
+
+
+def gate_condition(r: PodResult, pod: Mapping[str, Any], now: datetime) -> dict[str, Any] | None:
+    """The readiness-gate pod condition to write for this pod, None when what it has is still right."""
+    if not r.serving and r.reason in OPERATOR_SIDE:
+        return None
+    status = "True" if r.serving else "False"
+    reason = "ChatCompletionSucceeded" if r.serving else r.reason
+    conds = (pod.get("status") or {}).get("conditions") or []
+    prev = next(
+        (c for c in conds if isinstance(c, Mapping) and c.get("type") == READINESS_GATE_CONDITION), None
+    )
+    if prev is not None and prev.get("status") == status and prev.get("reason") == reason:
+        return None
+    ltt = rfc3339(now, "seconds")
+    if prev is not None and prev.get("status") == status and prev.get("lastTransitionTime"):
+        ltt = str(prev["lastTransitionTime"])
+    return {
+        "type": READINESS_GATE_CONDITION,
+        "status": status,
+        "reason": reason,
+        "message": (r.message or reason)[:500],
+        "lastProbeTime": rfc3339(now, "seconds"),
+        "lastTransitionTime": ltt,
+    }

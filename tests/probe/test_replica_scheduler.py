@@ -1,0 +1,280 @@
+"""The probe scheduler in managed mode against several simulators on loopback, one per engine pod
+(per-pod endpoint override, read from a file): every replica probed at its own address, status.probe.pods[]
+and "k/n", Serving naming the failing pod, the readiness-gate condition written on that pod alone,
+EngineStalled from a stalled engine (even though its chat times out) and KVCachePressure from a tiny KV
+cache under load. The API server is a recorder here; tests/cluster/ has the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from probe_support import set_faults
+from prometheus_client import CollectorRegistry
+
+from servedmodel.api.probe import READINESS_GATE_CONDITION
+from servedmodel.config import OperatorConfig
+from servedmodel.k8s import NotFoundError
+from servedmodel.probing import ProbeMetrics, ProbeScheduler
+from servedmodel.sim.process import SimulatorProcess
+
+SIM = [
+    "Qwen/Qwen2.5-7B-Instruct",
+    "--served-model-name",
+    "qwen",
+    "--max-model-len",
+    "2048",
+    "--sim-step-base-ms",
+    "2",
+]
+PODS = ("qwen-7d9f-a", "qwen-7d9f-b", "qwen-7d9f-c")
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[list[SimulatorProcess]]:
+    with (
+        SimulatorProcess(SIM, ready_timeout=60) as a,
+        SimulatorProcess(SIM, ready_timeout=60) as b,
+        SimulatorProcess(SIM, ready_timeout=60) as c,
+    ):
+        yield [a, b, c]
+    # each stopped by its pid on exit
+
+
+def pod(name: str, ip: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
+        "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,  # never contacted: the override maps each pod to its simulator
+            "conditions": [{"type": "ContainersReady", "status": "True"}],
+        },
+    }
+
+
+class Cluster:
+    """What the scheduler reads (a ServedModel, its pods) and writes (status, pod conditions, Events)."""
+
+    def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        self.body = body
+        self.pods = {p["metadata"]["name"]: p for p in pods}
+        self.status_writes: list[dict[str, Any]] = []
+        self.gate_writes: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, str, str, str]] = []
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
+        return self.body if plural == "servedmodels" and name == self.body["metadata"]["name"] else None
+
+    async def list(self, api_version: str, plural: str, namespace: str | None = None, **kw: Any) -> list[Any]:
+        assert plural == "pods"
+        assert kw["label_selector"] == (
+            "app.kubernetes.io/component=engine,app.kubernetes.io/instance=qwen,app.kubernetes.io/name=servedmodel"
+        )
+        return list(self.pods.values())
+
+    async def apply_status(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        status: dict[str, Any],
+        field_manager: str,
+        *,
+        force: bool = True,
+    ) -> dict[str, Any]:
+        assert field_manager == "servedmodel-probe"
+        if plural == "pods":
+            (cond,) = status["conditions"]
+            self.gate_writes.append((name, cond))
+            conds = [c for c in self.pods[name]["status"]["conditions"] if c["type"] != cond["type"]]
+            self.pods[name]["status"]["conditions"] = [*conds, cond]
+            return self.pods[name]
+        if name != self.body["metadata"]["name"]:
+            raise NotFoundError(404, "NotFound", name)
+        self.status_writes.append(status)
+        self.body["status"] = {**(self.body.get("status") or {}), **status}
+        return self.body
+
+    async def create_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str) -> Any:
+        self.events.append((involved["kind"], involved["metadata"]["name"], reason, message))
+        return {}
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        return next(c for c in self.body["status"]["conditions"] if c["type"] == type_)
+
+    def gate(self, pod_name: str) -> str | None:
+        conds = self.pods[pod_name]["status"]["conditions"]
+        return next((c["status"] for c in conds if c["type"] == READINESS_GATE_CONDITION), None)
+
+
+def served_model(**probe: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": "qwen", "namespace": "ns", "generation": 2, "uid": "uid-qwen"},
+        "spec": {
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "servedModelName": "qwen",
+            "resources": {"gpus": 1},
+            "probe": {"interval": 5, "checkLimits": False, **probe},
+        },
+        "status": {"phase": "Ready", "readyReplicas": 3},
+    }
+
+
+def scheduler(cluster: Cluster, override: str, **config: Any) -> ProbeScheduler:
+    return ProbeScheduler(
+        kube=cluster,
+        config=OperatorConfig(endpoint_override=override, **config),
+        metrics=ProbeMetrics(CollectorRegistry()),
+        rng=random.Random(3),
+    )
+
+
+def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProcess], tmp_path: Path) -> None:
+    mapping = tmp_path / "override"
+    # Written after the scheduler exists: the file is read at every cycle.
+    body = served_model(readinessGate=True, firstByteTimeout=2, timeout=10)
+    cluster = Cluster(body, [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS)])
+
+    async def main() -> None:
+        sched = scheduler(cluster, f"@{mapping}")
+        sched.track(body)
+        try:
+            skipped = await sched.run_cycle(("ns", "qwen"))
+            assert skipped.skipped == "not-ready"  # no pod mapped yet: nothing probed, nothing written
+            lines = [f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True)]
+            mapping.write_text("# one simulator per pod\n" + "\n".join(lines) + "\n")
+
+            first = await sched.run_cycle(("ns", "qwen"))
+            assert [r.endpoint for r in first.pods] == [s.base_url for s in sims]
+            probe = cluster.body["status"]["probe"]
+            assert probe["serving"] == "3/3"
+            assert [(p["name"], p["serving"]) for p in probe["pods"]] == [(n, "True") for n in PODS]
+            assert all(p["ttftMs"] > 0 and p["running"] == 0 for p in probe["pods"])
+            assert probe["scheduler"]["running"] == 0
+            assert cluster.condition("Serving")["status"] == "True"
+            assert cluster.condition("EngineStalled")["status"] == "False"
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3  # traffic only after a real generation
+            assert {e[2] for e in cluster.events} == {"ReplicaServing"}
+
+            await asyncio.to_thread(set_faults, sims[2], engine_stalled=True)
+            stalled = await sched.run_cycle(("ns", "qwen"))
+            probe = cluster.body["status"]["probe"]
+            assert probe["serving"] == "2/3"
+            bad = probe["pods"][2]
+            assert (bad["serving"], bad["reason"]) == ("False", "EngineStalled")
+            serving = cluster.condition("Serving")
+            assert (serving["status"], serving["reason"]) == ("True", "ReplicasFailing")
+            assert f"pod {PODS[2]}: EngineStalled" in serving["message"]
+            stall = cluster.condition("EngineStalled")
+            assert stall["status"] == "True"
+            assert stall["message"].startswith(f"pod {PODS[2]}: requests waiting while nothing runs")
+            assert "waiting 1" in stall["message"]
+            assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
+            assert cluster.gate_writes[-1][0] == PODS[2]
+            assert ("ServedModel", "qwen", "EngineStalled") in [e[:3] for e in cluster.events]
+            assert ("Pod", PODS[2], "ReplicaNotServing") in [e[:3] for e in cluster.events]
+            assert stalled.next_delay_s <= 5.5  # two serve: no backoff for the model
+
+            writes = len(cluster.gate_writes)
+            await asyncio.to_thread(set_faults, sims[2], engine_stalled=False)
+            back = await sched.run_cycle(("ns", "qwen"))
+            assert all(r.serving for r in back.pods)
+            assert cluster.body["status"]["probe"]["serving"] == "3/3"
+            assert cluster.condition("EngineStalled")["status"] == "False"
+            assert cluster.condition("Serving")["reason"] == "ChatCompletionSucceeded"
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            assert len(cluster.gate_writes) == writes + 1  # only the pod that changed
+
+            # a fourth cycle with nothing changed on the pods writes no pod condition at all
+            await sched.run_cycle(("ns", "qwen"))
+            assert len(cluster.gate_writes) == writes + 1
+            assert len(cluster.status_writes) == 4  # one per cycle that probed
+        finally:
+            await asyncio.to_thread(set_faults, sims[2], reset=True)
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+def test_bounded_rotation_over_many_replicas(sims: list[SimulatorProcess]) -> None:
+    """Two pods per cycle of three: each cycle probes the next two, pods[] keeps all three."""
+    body = served_model()
+    cluster = Cluster(body, [pod(n, "10.244.0.9") for n in PODS])
+    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
+
+    async def main() -> None:
+        sched = scheduler(cluster, override, probe_max_pods_per_cycle=2)
+        sched.track(body)
+        try:
+            probed = []
+            for _ in range(3):
+                result = await sched.run_cycle(("ns", "qwen"))
+                probed.append([r.name for r in result.pods])
+            assert probed == [[PODS[0], PODS[1]], [PODS[2], PODS[0]], [PODS[1], PODS[2]]]
+            assert [p["name"] for p in cluster.body["status"]["probe"]["pods"]] == list(PODS)
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+async def _load(url: str, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+        while not stop.is_set():
+            body = {
+                "model": "qwen",
+                "messages": [{"role": "user", "content": f"a long story, part {random.random()}"}],
+                "max_tokens": 300,
+                "ignore_eos": True,
+            }
+            try:
+                await client.post(f"{url}/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.05)
+
+
+def test_kv_cache_pressure_from_a_tiny_kv_cache_under_load() -> None:
+    """40 blocks of 16 tokens and eight long requests at a time: the cache fills and the engine preempts."""
+    args = [*SIM[:3], "--max-model-len", "512", "--sim-step-base-ms", "2", "--num-gpu-blocks", "40"]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        body = served_model()
+        cluster = Cluster(body, [pod("qwen-kv", "10.244.0.9")])
+
+        async def main() -> None:
+            sched = scheduler(cluster, f"ns/qwen/qwen-kv={sim.base_url}")
+            sched.track(body)
+            stop = asyncio.Event()
+            load = [asyncio.create_task(_load(sim.base_url, stop)) for _ in range(8)]
+            try:
+                for _ in range(20):  # bounded: the gauge is sampled, so a cycle may miss the peak
+                    await asyncio.sleep(0.5)
+                    await sched.run_cycle(("ns", "qwen"))
+                    if cluster.condition("KVCachePressure")["status"] == "True":
+                        break
+            finally:
+                stop.set()
+                for t in load:
+                    t.cancel()
+                await asyncio.gather(*load, return_exceptions=True)
+                await sched.stop()
+
+        asyncio.run(main())
+    pressure = cluster.condition("KVCachePressure")
+    assert pressure["status"] == "True", pressure
+    assert pressure["reason"] == "PreemptionsRising"
+    assert "preemptions" in pressure["message"]
+    assert "KV cache usage" in pressure["message"]
+    warned = [e for e in cluster.events if e[2] == "KVCachePressure"]
+    assert len(warned) == 1  # on the transition, not every cycle
+    assert "preemptions" in warned[0][3]

@@ -1,0 +1,269 @@
+"""Pure pieces of replica truth: per-pod verdicts (EngineStalled, KVCachePressure), the aggregate over
+pods, "k/n" and the Serving message, the readiness-gate condition, per-pod overrides, the pod template."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from servedmodel.api import ServedModel
+from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec
+from servedmodel.probe.client import ProbeOutcome
+from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
+from servedmodel.probe.errors import FIRST_BYTE_TIMEOUT, SECRET_UNAVAILABLE, STREAM_CUT, ProbeFailure
+from servedmodel.probe.metrics import MetricsSnapshot
+from servedmodel.probe.replicas import (
+    ENGINE_STALLED,
+    REPLICAS_FAILING,
+    PodResult,
+    Window,
+    aggregate,
+    gate_condition,
+    kv_pressure_verdict,
+    merge_pods,
+    replica_conditions,
+    stall_verdict,
+    summarize,
+)
+from servedmodel.probe.report import build_status
+from servedmodel.probe.sse import ClientFigures
+from servedmodel.probing import containers_ready
+from servedmodel.render import RenderContext, deployment
+
+T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+
+
+def snap(
+    gen: float, running: float = 0, waiting: float = 0, kv: float = 0.1, preempt: float = 0
+) -> MetricsSnapshot:
+    return MetricsSnapshot(
+        counters={"generation_tokens": gen, "request_success": 10, "preemptions": preempt},
+        gauges={"running": running, "waiting": waiting, "kv_cache_usage": kv},
+    )
+
+
+def outcome(
+    before: MetricsSnapshot | None,
+    after: MetricsSnapshot | None,
+    seconds: float = 20.0,
+    failure: ProbeFailure | None = None,
+    ttft: float = 10.0,
+) -> ProbeOutcome:
+    out = ProbeOutcome(endpoint="http://127.0.0.1:1", started=T0, ended=T0 + timedelta(seconds=seconds))
+    out.before, out.after, out.failure = before, after, failure
+    if failure is None:
+        out.figures = ClientFigures(
+            headers_ms=1.0,
+            ttft_ms=ttft,
+            tpot_ms=2.0,
+            itl_ms=[],
+            itl_p50_ms=2.0,
+            itl_p95_ms=3.0,
+            e2e_ms=ttft + 20,
+            completion_tokens=8,
+        )
+    return out
+
+
+TIMEOUT = ProbeFailure(
+    FIRST_BYTE_TIMEOUT, "POST /v1/chat/completions: no response within the first-byte limit"
+)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "seconds", "previous", "expected"),
+    [
+        # a hung forward pass: requests run, the counter stands still across the probe's window
+        (
+            snap(100, running=3),
+            snap(100, running=3),
+            20.0,
+            None,
+            "flat at 100 tokens for 20.0 s while requests run",
+        ),
+        # nothing admitted: the probe's own request waits while nothing runs
+        (snap(100), snap(100, waiting=1), 20.0, None, "requests waiting while nothing runs for 20.0 s"),
+        # generating: not stalled
+        (snap(100, running=3), snap(130, running=3), 20.0, None, None),
+        # idle engine: nothing waits, nothing runs
+        (snap(100), snap(100), 20.0, None, None),
+        # a short window says nothing (a door error in 50 ms) ...
+        (snap(100, running=3), snap(100, running=3), 0.05, None, None),
+        # ... but the counter flat since the previous cycle, 30 s ago, does
+        (snap(100, running=3), snap(100, running=3), 0.05, Window(snap(100, running=3), 70.0), "for 30.0 s"),
+    ],
+    ids=["flat-while-running", "waiting-nothing-runs", "generating", "idle", "short-window", "across-cycles"],
+)
+def test_stall_verdict(
+    before: MetricsSnapshot,
+    after: MetricsSnapshot,
+    seconds: float,
+    previous: Window | None,
+    expected: str | None,
+) -> None:
+    got = stall_verdict(outcome(before, after, seconds, TIMEOUT), 100.0, previous)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert expected in got
+        assert "running" in got
+        assert "waiting" in got
+        assert "KV cache" in got  # the gauges are in the message
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "previous", "expected"),
+    [
+        (
+            snap(1, kv=0.97, preempt=10),
+            snap(50, kv=0.99, preempt=14),
+            Window(snap(0, preempt=8), 0),
+            "6 preemptions",
+        ),
+        (snap(1, kv=0.97, preempt=10), snap(50, kv=0.99, preempt=14), None, "4 preemptions during the probe"),
+        (snap(1, kv=0.97, preempt=10), snap(50, kv=0.99, preempt=10), Window(snap(0, preempt=10), 0), None),
+        (snap(1, kv=0.5, preempt=10), snap(50, kv=0.6, preempt=20), Window(snap(0, preempt=8), 0), None),
+    ],
+    ids=["full-and-rising", "within-the-probe", "full-but-no-preemptions", "preempting-but-not-full"],
+)
+def test_kv_pressure_verdict(
+    before: MetricsSnapshot, after: MetricsSnapshot, previous: Window | None, expected: str | None
+) -> None:
+    got = kv_pressure_verdict(outcome(before, after), previous)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert expected in got
+        assert "KV cache usage 99%" in got
+
+
+def results() -> list[PodResult]:
+    ok_a = PodResult("q-a", "http://127.0.0.1:1", outcome(snap(10), snap(18), 1.0, ttft=10.0))
+    ok_b = PodResult("q-b", "http://127.0.0.1:2", outcome(snap(20), snap(28), 1.0, ttft=30.0))
+    bad = PodResult(
+        "q-c", "http://127.0.0.1:3", outcome(snap(5), snap(5), 1.0, ProbeFailure(STREAM_CUT, "cut"))
+    )
+    return [ok_a, ok_b, bad]
+
+
+def test_one_failing_replica_of_three_is_named_and_still_serving() -> None:
+    rs = results()
+    agg = aggregate(rs)
+    assert agg.ok
+    assert agg.figures is not None
+    assert agg.figures.ttft_ms == 20.0  # the median of the serving pods
+    assert agg.after is not None
+    assert agg.after.gauges["running"] == 0
+    assert agg.after.counters["generation_tokens"] == 18 + 28 + 5  # summed over pods
+    status = build_status(agg, ProbeSpec(), None)
+    pods = merge_pods([], rs, [r.name for r in rs])
+    status = summarize(status, pods, 3)
+    assert status.serving == "2/3"
+    assert status.reason == REPLICAS_FAILING
+    assert status.message is not None
+    assert status.message.startswith("2/3 replicas serving; pod q-c: StreamCut: cut")
+    assert [(p.name, p.serving, p.reason) for p in status.pods or []] == [
+        ("q-a", "True", "Serving"),
+        ("q-b", "True", "Serving"),
+        ("q-c", "False", "StreamCut"),
+    ]
+    assert status.pods is not None
+    assert status.pods[2].consecutive_failures == 1
+    assert status.pods[0].ttft_ms == 10.0
+
+
+def test_no_replica_serving_fails_with_the_first_pods_reason() -> None:
+    rs = [r for r in results() if not r.serving] + [
+        PodResult("q-d", "u", outcome(snap(1), snap(1), 1.0, TIMEOUT))
+    ]
+    agg = aggregate(rs)
+    assert agg.failure is not None
+    assert agg.failure.reason == STREAM_CUT
+    status = summarize(build_status(agg, ProbeSpec(), None), merge_pods([], rs, ["q-c", "q-d"]), 2)
+    assert status.serving == "0/2"
+    assert status.result == "Failure"
+    assert status.message is not None
+    assert "pod q-d: FirstByteTimeout" in status.message
+
+
+def test_rotation_keeps_the_last_entry_of_pods_not_probed_this_cycle() -> None:
+    rs = results()
+    first = merge_pods([], rs, ["q-a", "q-b", "q-c"])
+    again = merge_pods(first, rs[:1], ["q-a", "q-b", "q-c"])
+    assert [p.name for p in again] == ["q-a", "q-b", "q-c"]
+    assert again[2] == first[2]
+    # a pod that went away drops out
+    assert [p.name for p in merge_pods(first, rs[:1], ["q-a"])] == ["q-a"]
+
+
+def test_engine_stalled_condition_with_the_pods_and_gauges() -> None:
+    rs = results()
+    rs[2].stalled = stall_verdict(outcome(snap(5, running=2), snap(5, running=2)), 0.0, None)
+    assert rs[2].reason == ENGINE_STALLED
+    conds = {c.type: c for c in replica_conditions(rs, [], 3, T0)}
+    assert conds["EngineStalled"].status == "True"
+    assert conds["EngineStalled"].message.startswith("pod q-c: generation counter flat at 5 tokens")
+    assert conds["KVCachePressure"].status == "False"
+    # no gauges read at all (metrics unavailable): neither condition is claimed
+    blind = [PodResult("x", "u", outcome(None, None))]
+    assert replica_conditions(blind, [], 3, T0) == []
+
+
+def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> dict[str, Any]:
+    conds = [{"type": "ContainersReady", "status": "True" if ready else "False"}]
+    if gate is not None:
+        conds.append(gate)
+    return {
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {"phase": "Running", "podIP": "10.244.0.7", "conditions": conds},
+    }
+
+
+def test_gate_condition_written_only_on_change_and_never_for_operator_side_failures() -> None:
+    ok, _, bad = results()
+    cond = gate_condition(bad, pod("q-c"), T0)
+    assert cond is not None
+    assert (cond["type"], cond["status"], cond["reason"]) == (READINESS_GATE_CONDITION, "False", "StreamCut")
+    assert gate_condition(bad, pod("q-c", gate=cond), T0) is None  # already says so
+    back = gate_condition(ok, pod("q-a", gate=cond), T0 + timedelta(minutes=1))
+    assert back is not None
+    assert (back["status"], back["reason"]) == ("True", "ChatCompletionSucceeded")
+    assert back["lastTransitionTime"] == "2026-12-01T10:01:00Z"
+    secret = PodResult("q-a", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
+    assert gate_condition(secret, pod("q-a", gate=back), T0) is None
+
+
+def test_per_pod_overrides_and_pod_addresses() -> None:
+    text = "ns/qwen/qwen-abc-1=http://127.0.0.1:8001/v1,ns/qwen/qwen-abc-2=http://127.0.0.1:8002,ns/other=http://x"
+    assert parse_pod_overrides(text, "ns", "qwen") == {
+        "qwen-abc-1": "http://127.0.0.1:8001",
+        "qwen-abc-2": "http://127.0.0.1:8002",
+    }
+    assert parse_pod_overrides(text, "ns", "other") == {}
+    assert parse_override(text, "ns", "other") == "http://x"
+    assert parse_override(text, "ns", "qwen") is None  # per-pod keys are not a model-wide entry
+    assert pod_base_url(pod("p")) == "http://10.244.0.7:8000"
+    assert containers_ready(pod("p"))
+    assert not containers_ready(pod("p", ready=False))
+
+
+def test_pod_template_carries_the_readiness_gate_only_when_asked() -> None:
+    def template(probe: dict[str, Any]) -> dict[str, Any]:
+        body = {
+            "metadata": {"name": "qwen", "namespace": "ai", "uid": "u"},
+            "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", "probe": probe},
+        }
+        spec: dict[str, Any] = deployment(ServedModel.model_validate(body), RenderContext())["spec"][
+            "template"
+        ]["spec"]
+        return spec
+
+    assert template({"readinessGate": True})["readinessGates"] == [
+        {"conditionType": READINESS_GATE_CONDITION}
+    ]
+    assert "readinessGates" not in template({})
