@@ -40,7 +40,6 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from . import scaling
 from .api import API_GROUP_VERSION, PLURAL
 from .api.names import service_name
 from .api.probe import ProbeSpec, ProbeStatus
@@ -157,14 +156,6 @@ class ProbeMetrics:
             labels,
             registry=registry,
         )
-        # The autoscaling signal (spec.autoscaling.targets.probeTtftP95Ms): the rolling window's p95, which
-        # Prometheus scrapes and prometheus-adapter / KEDA serve to the autoscaler (servedmodel.scaling).
-        self.ttft_p95 = Gauge(
-            "servedmodel_probe_ttft_p95_seconds",
-            "Probe TTFT p95 over the rolling window (status.probe.window.ttftP95Ms), seconds.",
-            labels,
-            registry=registry,
-        )
         self.in_flight = Gauge(
             "servedmodel_probe_cycles_in_flight",
             "Probe cycles running now (bounded by the scheduler's concurrency).",
@@ -199,7 +190,7 @@ class ProbeMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted ServedModel's series so dashboards do not show ghosts."""
-        for metric in (self.ttft, self.tpot, self.e2e, self.serving, self.status_writes, self.ttft_p95):
+        for metric in (self.ttft, self.tpot, self.e2e, self.serving, self.status_writes):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)
         for result in ("success", "failure"):
@@ -336,6 +327,8 @@ class ProbeScheduler:
     _wake: asyncio.Event | None = field(default=None, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
     _transport: httpx.AsyncHTTPTransport | None = field(default=None, init=False)
+    # Prometheus sources with insecureSkipVerify: one client for all of them, closed with the pool.
+    _insecure_http: httpx.AsyncClient | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
 
     # ---- feeding -------------------------------------------------------------------------------
@@ -390,6 +383,9 @@ class ProbeScheduler:
         if self._transport is not None:
             await self._transport.aclose()
             self._transport = None
+        if self._insecure_http is not None:
+            await self._insecure_http.aclose()
+            self._insecure_http = None
 
     def _pool(self) -> httpx.AsyncHTTPTransport:
         if self._transport is None:
@@ -399,6 +395,15 @@ class ProbeScheduler:
     def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
         """A client with this model's limits over the scheduler's one connection pool."""
         return httpx.AsyncClient(transport=_Shared(self._pool()), timeout=http_timeout(spec), trust_env=False)
+
+    def _prometheus_http(self, http: httpx.AsyncClient, *, insecure: bool) -> httpx.AsyncClient:
+        """The client a Prometheus source queries on: this cycle's (the shared pool), or for
+        insecureSkipVerify the scheduler's one client that does not verify TLS."""
+        if not insecure:
+            return http
+        if self._insecure_http is None:
+            self._insecure_http = httpx.AsyncClient(verify=False, trust_env=False)
+        return self._insecure_http
 
     async def __aenter__(self) -> ProbeScheduler:
         await self.start()
@@ -518,8 +523,6 @@ class ProbeScheduler:
         status = dict(body.get("status") or {})
         if not probe.enabled:
             return CycleResult(False, skipped="disabled", next_delay_s=float(probe.interval))
-        if scaling.scaled_to_zero(spec, status):
-            return await self._at_zero(model, body, status)
         if not engine_ready(spec, status):
             return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
         out = await self.probe_once(namespace, name, spec)
@@ -534,8 +537,6 @@ class ProbeScheduler:
             new.result,
             new.message if new.result == "Success" else f"{new.reason}: {new.message}",
         )
-        if new.window is not None and new.window.ttft_p95_ms is not None:
-            self.metrics.ttft_p95.labels(namespace, name).set(new.window.ttft_p95_ms / 1000)
         result = CycleResult(
             True,
             outcome=out,
@@ -569,45 +570,6 @@ class ProbeScheduler:
             result.serving_changed = True
             if self.enqueue is not None:
                 self.enqueue(namespace, name)
-        return result
-
-    async def _at_zero(self, model: _Model, body: Mapping[str, Any], status: Obj) -> CycleResult:
-        """Scaled to zero by the autoscaler: no chat (it would be traffic, and finds no engine), Serving
-        Unknown once, and no TTFT p95 series (a stale one would keep a KEDA trigger active)."""
-        namespace, name = model.key
-        with contextlib.suppress(KeyError):
-            self.metrics.ttft_p95.remove(namespace, name)
-        result = CycleResult(False, skipped="scaled-to-zero", next_delay_s=NOT_READY_WAIT_S)
-        said = ("Unknown", scaling.SCALED_TO_ZERO)
-        if model.removed or said in (
-            serving_of(status.get("conditions")),
-            serving_of((model.last_patch or {}).get("conditions")),
-        ):
-            return result
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        generation = (body.get("metadata") or {}).get("generation")
-        patch: dict[str, Any] = {
-            "conditions": scaling.scaled_to_zero_conditions(status.get("conditions"), generation, now)
-        }
-        if isinstance(status.get("probe"), dict):
-            patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
-        try:
-            written = await self.kube.apply_status(
-                API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
-            )
-        except NotFoundError:
-            self.forget(namespace, name)
-            return result
-        except ApiError as exc:
-            log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
-            return result
-        model.last_patch = patch
-        if isinstance(written, dict) and written.get("metadata"):
-            model.body = written
-        self.metrics.status_writes.labels(namespace, name).inc()
-        result.written = result.serving_changed = True
-        if self.enqueue is not None:
-            self.enqueue(namespace, name)
         return result
 
     async def _secret_value(self, namespace: str, ref: _KeyRef) -> str:
@@ -660,11 +622,11 @@ class ProbeScheduler:
             if prom.bearer_token_secret_ref is not None:
                 token = await self._secret_value(namespace, prom.bearer_token_secret_ref)
             return PrometheusMetrics(
+                self._prometheus_http(http, insecure=prom.insecure_skip_verify),
                 prom.url,
                 model=model,
                 namespace=namespace,
                 bearer_token=token,
-                insecure_skip_verify=prom.insecure_skip_verify,
                 settle_timeout_s=spec.probe.timeout,
             )
         return PodMetrics(http, target.metrics_urls, model)
@@ -681,18 +643,14 @@ class ProbeScheduler:
             except ProbeFailure as f:
                 now = datetime.now(UTC)
                 return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
-            try:
-                return await run_probe(
-                    http,
-                    target,
-                    spec.probe,
-                    model=spec.resolved_served_model_name,
-                    api_key=api_key,
-                    metrics=metrics,
-                )
-            finally:
-                if isinstance(metrics, PrometheusMetrics):
-                    metrics.close()
+            return await run_probe(
+                http,
+                target,
+                spec.probe,
+                model=spec.resolved_served_model_name,
+                api_key=api_key,
+                metrics=metrics,
+            )
 
 
 class _Shared(httpx.AsyncBaseTransport):

@@ -11,6 +11,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import errors as er
 from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
-from servedmodel.probe.prometheus import PrometheusMetrics
+from servedmodel.probe.prometheus import PrometheusMetrics, selector
 from servedmodel.probe.report import build_status, probe_conditions
 from servedmodel.sim.process import SimulatorProcess
 
@@ -439,13 +440,26 @@ def test_cli_exit_codes(faults: SimulatorProcess) -> None:
     assert subprocess.run(refused, capture_output=True, timeout=60, check=False).returncode == 1
 
 
+async def wait_for_series(reader: PrometheusMetrics, timeout_s: float) -> None:
+    """Until Prometheus has scraped the engine at least twice (a fresh target), bounded."""
+    deadline = time.monotonic() + timeout_s
+    q = f"count_over_time(vllm:num_requests_running{{{selector(reader.model, reader.namespace)}}}[1m])"
+    while not ((r := await reader.query(q)) and float(r[0]["value"][1]) >= 2):
+        if time.monotonic() >= deadline:
+            pytest.fail(f"Prometheus has no series after {timeout_s:g} s")
+        await asyncio.sleep(0.5)
+
+
 @pytest.mark.prometheus
 async def test_prometheus_source(faults: SimulatorProcess, prometheus: PrometheusServer) -> None:
     spec = ProbeSpec(timeout=20)
     target = resolve_external(faults.base_url)
-    reader = PrometheusMetrics(prometheus.base_url, model="qwen", namespace="probe-ns", settle_timeout_s=15)
-    await reader.wait_for_series(timeout_s=30)
     async with probe_client(spec) as client:
+        # One client for the chat and Prometheus, as the probe scheduler shares its pool.
+        reader = PrometheusMetrics(
+            client, prometheus.base_url, model="qwen", namespace="probe-ns", settle_timeout_s=15
+        )
+        await wait_for_series(reader, timeout_s=30)
         out = await run_probe(client, target, spec, model="qwen", metrics=reader)
     assert out.failure is None, out.failure
     assert out.metrics_error is None, out.metrics_error
@@ -459,8 +473,8 @@ async def test_prometheus_source(faults: SimulatorProcess, prometheus: Prometheu
     assert st.server.decode_ms is not None
     assert checks_of(out)["usage"] == ("Pass", "CountersMatch")
     # another namespace's series are not this model's
-    other = PrometheusMetrics(prometheus.base_url, model="qwen", namespace="elsewhere")
-    with pytest.raises(er.ProbeFailure):
-        await other.snapshot()
-    reader.close()
-    other.close()
+    async with httpx.AsyncClient(trust_env=False) as http:
+        other = PrometheusMetrics(http, prometheus.base_url, model="qwen", namespace="elsewhere")
+        with pytest.raises(er.ProbeFailure) as failed:
+            await other.snapshot()
+    assert failed.value.reason == er.NO_READY_ENDPOINTS

