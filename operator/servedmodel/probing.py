@@ -40,17 +40,39 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
+from . import scaling
 from .api import API_GROUP_VERSION, PLURAL
-from .api.names import service_name
+from .api.names import selector_labels, selector_string, service_name
 from .api.probe import ProbeSpec, ProbeStatus
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, NotFoundError
 from .probe import errors as er
 from .probe.client import MetricsReader, PodMetrics, ProbeOutcome, http_timeout, run_probe
-from .probe.endpoints import ProbeTarget, parse_override, resolve_external, resolve_managed, resolve_override
+from .probe.endpoints import (
+    ProbeTarget,
+    parse_override,
+    parse_pod_overrides,
+    pod_base_url,
+    resolve_external,
+    resolve_managed,
+    resolve_override,
+)
 from .probe.errors import ProbeFailure
 from .probe.prometheus import PrometheusMetrics
+from .probe.replicas import (
+    ENGINE_STALLED,
+    KV_CACHE_PRESSURE,
+    PodResult,
+    Window,
+    aggregate,
+    gate_condition,
+    kv_pressure_verdict,
+    merge_pods,
+    replica_conditions,
+    stall_verdict,
+    summarize,
+)
 from .probe.report import build_status, parse_rfc3339, probe_conditions
 from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
 
@@ -92,6 +114,8 @@ class KubeApi(Protocol):
         force: bool = True,
     ) -> Obj: ...
 
+    async def create_event(self, involved: Obj, *, type: str, reason: str, message: str) -> Obj: ...
+
 
 class CacheReads(Protocol):
     """The watch-fed cache's read API (servedmodel.k8s.cache), the part the scheduler uses."""
@@ -101,6 +125,15 @@ class CacheReads(Protocol):
     def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
 
     def keys(self, kind: str = ...) -> list[Key]: ...
+
+    def list(
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        owner_uid: str | None = None,
+    ) -> list[Obj]: ...
 
 
 Enqueue = Callable[[str, str], object]
@@ -156,6 +189,14 @@ class ProbeMetrics:
             labels,
             registry=registry,
         )
+        # The autoscaling signal (spec.autoscaling.targets.probeTtftP95Ms): the rolling window's p95, which
+        # Prometheus scrapes and prometheus-adapter / KEDA serve to the autoscaler (servedmodel.scaling).
+        self.ttft_p95 = Gauge(
+            "servedmodel_probe_ttft_p95_seconds",
+            "Probe TTFT p95 over the rolling window (status.probe.window.ttftP95Ms), seconds.",
+            labels,
+            registry=registry,
+        )
         self.in_flight = Gauge(
             "servedmodel_probe_cycles_in_flight",
             "Probe cycles running now (bounded by the scheduler's concurrency).",
@@ -170,6 +211,37 @@ class ProbeMetrics:
             "servedmodel_probe_start_lateness_seconds",
             "How long a due probe cycle waited for a concurrency slot, seconds.",
             buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=registry,
+        )
+
+        self.pod_probes = Counter(
+            "servedmodel_probe_pod",
+            "Probes of single engine pods, by reason (Serving, or why the pod failed).",
+            [*labels, "reason"],
+            registry=registry,
+        )
+        self.pod_transitions = Counter(
+            "servedmodel_probe_pod_transitions",
+            "Engine pods whose Serving changed, by new status and reason.",
+            [*labels, "serving", "reason"],
+            registry=registry,
+        )
+        self.gate_writes = Counter(
+            "servedmodel_probe_readiness_gate_writes",
+            "Readiness-gate condition writes on engine pods (pods/status), by status.",
+            [*labels, "status"],
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "servedmodel_probe_engine_stalled_pods",
+            "Engine pods whose last probe found the engine stalled (EngineStalled).",
+            labels,
+            registry=registry,
+        )
+        self.kv_pressure = Gauge(
+            "servedmodel_probe_kv_cache_pressure_pods",
+            "Engine pods whose last probe found KV cache pressure with preemptions rising.",
+            labels,
             registry=registry,
         )
 
@@ -189,19 +261,56 @@ class ProbeMetrics:
                 self.e2e.labels(namespace, name).observe(f.e2e_ms / 1000)
 
     def forget(self, namespace: str, name: str) -> None:
-        """Drop a deleted ServedModel's series so dashboards do not show ghosts."""
-        for metric in (self.ttft, self.tpot, self.e2e, self.serving, self.status_writes):
-            with contextlib.suppress(KeyError):
-                metric.remove(namespace, name)
-        for result in ("success", "failure"):
-            with contextlib.suppress(KeyError):
-                self.cycles.remove(namespace, name, result)
-        for reason in er.ALL_FAILURE_REASONS:
-            with contextlib.suppress(KeyError):
-                self.failures.remove(namespace, name, reason)
+        """Drop a deleted ServedModel's series (every label set that starts with it): no ghosts."""
+        for metric in (
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.serving,
+            self.failures,
+            self.cycles,
+            self.status_writes,
+            self.pod_probes,
+            self.pod_transitions,
+            self.gate_writes,
+            self.stalled,
+            self.kv_pressure,
+            self.ttft_p95,
+        ):
+            # prometheus_client lists a metric's children only in this private mapping.
+            for labels in list(metric._metrics):
+                if labels[:2] == (namespace, name):
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*labels)
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------
+
+
+def read_override(value: str | None) -> str | None:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE's text: the value, or with '@/path' that file's content, read at
+    every cycle so a test can map pods that did not exist when the operator started (lines count as
+    commas; '#' starts a comment line). An unreadable file overrides nothing."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    lines = (line.strip() for line in text.splitlines())
+    return ",".join(line for line in lines if line and not line.startswith("#"))
+
+
+def containers_ready(pod: Mapping[str, Any]) -> bool:
+    """Running, with an IP and its containers ready (the engine's /health readiness probe passed)."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return False
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "ContainersReady" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
 
 
 def engine_ready(spec: ServedModelSpec, status: Mapping[str, Any]) -> bool:
@@ -291,6 +400,26 @@ class _Model:
     last_status: ProbeStatus | None = None
     cycles: int = 0
     removed: bool = False
+    windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
+    rotation: int = 0  # where the next bounded rotation over many pods starts
+
+
+@dataclass(frozen=True)
+class _PodTarget:
+    name: str
+    url: str
+    pod: Obj
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The pods of one managed cycle: whom to probe now, who exists, why nobody (when so)."""
+
+    targets: list[_PodTarget]
+    eligible: list[str]  # pods that can be probed (containers ready, an address)
+    replicas: int  # engine pods that exist, ready or not
+    pods: dict[str, Obj]
+    why: str = ""
 
 
 @dataclass
@@ -304,6 +433,7 @@ class CycleResult:
     serving_changed: bool = False
     next_delay_s: float = 0.0
     skipped: str = ""  # why nothing was probed: disabled, not-ready, invalid-spec, gone, deleting
+    pods: list[PodResult] = field(default_factory=list)
 
 
 @dataclass
@@ -523,13 +653,31 @@ class ProbeScheduler:
         status = dict(body.get("status") or {})
         if not probe.enabled:
             return CycleResult(False, skipped="disabled", next_delay_s=float(probe.interval))
-        if not engine_ready(spec, status):
-            return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
-        out = await self.probe_once(namespace, name, spec)
+        if scaling.scaled_to_zero(spec, status):
+            return await self._at_zero(model, body, status)
+        generation = (body.get("metadata") or {}).get("generation")
+        probed: list[PodResult] = []
+        plan: _Plan | None = None
+        if spec.external:
+            out = await self.probe_once(namespace, name, spec)
+        else:
+            plan = await self._plan(model, spec)
+            previous = previous_probe_status(status, model.last_status)
+            if plan.targets:
+                probed = await self._probe_pods(model, spec, plan.targets)
+                out = aggregate(probed)
+            elif previous is not None and previous.reason != er.NO_READY_ENDPOINTS:
+                # It served before and now no pod can be probed: say so once, then wait quietly.
+                now = datetime.now(UTC)
+                failure = ProbeFailure(er.NO_READY_ENDPOINTS, plan.why)
+                out = ProbeOutcome(endpoint="", started=now, ended=now, failure=failure)
+            else:
+                return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
         model.cycles += 1
         self.metrics.record(namespace, name, out)
-        generation = (body.get("metadata") or {}).get("generation")
         new, patch = status_patch(out, probe, status, generation, model.last_status)
+        if plan is not None:
+            new, patch = self._replica_patch(new, patch, probed, plan, status, generation)
         log.info(
             "probe %s/%s %s: %s",
             namespace,
@@ -537,12 +685,17 @@ class ProbeScheduler:
             new.result,
             new.message if new.result == "Success" else f"{new.reason}: {new.message}",
         )
+        if new.window is not None and new.window.ttft_p95_ms is not None:
+            self.metrics.ttft_p95.labels(namespace, name).set(new.window.ttft_p95_ms / 1000)
         result = CycleResult(
             True,
             outcome=out,
             status=new,
             next_delay_s=next_delay(probe.interval, new.consecutive_failures, self.rng),
         )
+        result.pods = probed
+        if probed:
+            await self._after_pods(model, body, spec, probed, plan, status, patch)
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
@@ -564,12 +717,248 @@ class ProbeScheduler:
         model.last_patch, model.last_status = patch, new
         if isinstance(written, dict) and written.get("metadata"):
             model.body = written
+            self._write_through(SERVED_MODEL_KIND, written)
         self.metrics.status_writes.labels(namespace, name).inc()
         result.written = True
         if before != after:
             result.serving_changed = True
             if self.enqueue is not None:
                 self.enqueue(namespace, name)
+        return result
+
+    # ---- managed mode: every engine pod at its own address -----------------------------------
+
+    def _override_text(self) -> str | None:
+        return read_override(self.config.endpoint_override)
+
+    async def _engine_pods(self, namespace: str, name: str) -> list[Obj]:
+        if self.cache is not None and self.cache.tracks("Pod"):
+            return self.cache.list("Pod", namespace, labels=dict(selector_labels(name)))
+        return await self.kube.list("v1", "pods", namespace, label_selector=selector_string(name))
+
+    async def _plan(self, model: _Model, spec: ServedModelSpec) -> _Plan:
+        """Which pods this cycle probes: every pod whose containers are ready (the engine's /health
+        passed: the readiness gate is what stands between it and traffic), at most
+        probe_max_pods_per_cycle of them, rotating through the rest cycle by cycle."""
+        namespace, name = model.key
+        try:
+            pods = await self._engine_pods(namespace, name)
+        except ApiError as exc:
+            return _Plan([], [], 0, {}, f"listing engine pods: {exc.status} {exc.reason}")
+        live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        existing = sorted(str(p["metadata"]["name"]) for p in live)
+        text = self._override_text()
+        if text is None and self.config.endpoint_override:
+            # An override file that cannot be read must not fall back to the pods' real addresses.
+            return _Plan([], [], len(existing), {}, "the endpoint override file cannot be read")
+        per_pod = parse_pod_overrides(text, namespace, name)
+        model_url = None if per_pod else parse_override(text, namespace, name)
+        targets: list[_PodTarget] = []
+        for pod in sorted(live, key=lambda p: str(p["metadata"]["name"])):
+            pod_name = str(pod["metadata"]["name"])
+            if not containers_ready(pod):
+                continue
+            url = per_pod.get(pod_name) if per_pod else (model_url or pod_base_url(pod))
+            if url:
+                targets.append(_PodTarget(pod_name, url, pod))
+        eligible = [t.name for t in targets]
+        why = f"no engine pod of {len(existing)} has its containers ready" if existing else "no engine pod"
+        cap = max(1, self.config.probe_max_pods_per_cycle)
+        if len(targets) > cap:
+            start = model.rotation % len(targets)
+            targets = (targets[start:] + targets[:start])[:cap]
+            model.rotation = start + cap
+        pods_by_name = {str(p["metadata"]["name"]): p for p in live}
+        return _Plan(targets, eligible, len(existing), pods_by_name, why)
+
+    async def _probe_pods(
+        self, model: _Model, spec: ServedModelSpec, targets: list[_PodTarget]
+    ) -> list[PodResult]:
+        """Probe the pods concurrently, each with its own /metrics; verdicts from this and the last cycle."""
+        namespace, _ = model.key
+        served = spec.resolved_served_model_name
+        async with self._client(spec.probe) as http:
+            try:
+                api_key = None
+                if spec.engine.api_key_secret_ref is not None:
+                    api_key = await self._secret_value(namespace, spec.engine.api_key_secret_ref)
+                prometheus = None
+                if spec.probe.metrics_source.type == "prometheus":
+                    # Prometheus answers for the whole ServedModel, not per pod: read once, around the
+                    # first pod's probe (the others have no server figures then).
+                    prometheus = await self._metrics_reader(
+                        http, namespace, spec, resolve_override(targets[0].url)
+                    )
+            except ProbeFailure as f:
+                now = datetime.now(UTC)
+                return [
+                    PodResult(t.name, t.url, ProbeOutcome(endpoint=t.url, started=now, ended=now, failure=f))
+                    for t in targets
+                ]
+
+            async def one(i: int, t: _PodTarget) -> ProbeOutcome:
+                reader: MetricsReader | None
+                if prometheus is not None:
+                    reader = prometheus if i == 0 else None
+                else:
+                    reader = PodMetrics(http, [t.url], served)
+                return await run_probe(
+                    http, resolve_override(t.url), spec.probe, model=served, api_key=api_key, metrics=reader
+                )
+
+            outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
+        mono = self.clock()
+        results: list[PodResult] = []
+        for t, out in zip(targets, outcomes, strict=True):
+            previous = model.windows.get(t.name)
+            r = PodResult(t.name, t.url, out)
+            r.stalled = stall_verdict(out, mono, previous)
+            r.kv_pressure = kv_pressure_verdict(out, previous)
+            if out.after is not None:
+                model.windows[t.name] = Window(out.after, mono)
+            results.append(r)
+            self.metrics.pod_probes.labels(namespace, model.key[1], r.reason).inc()
+        return results
+
+    def _replica_patch(
+        self,
+        new: ProbeStatus,
+        patch: dict[str, Any],
+        probed: list[PodResult],
+        plan: _Plan,
+        status: Mapping[str, Any],
+        generation: int | None,
+    ) -> tuple[ProbeStatus, dict[str, Any]]:
+        """The managed cycle's status: pods[], "k/n", Serving naming the failing pods, the stall and KV
+        pressure conditions."""
+        previous = previous_probe_status(status, None)
+        old_pods = list(previous.pods or []) if previous is not None else []
+        pods = merge_pods(old_pods, probed, plan.eligible)
+        new = summarize(new, pods, plan.replicas)
+        conditions = list(patch["conditions"])
+        for c in conditions:
+            if c.get("type") == "Serving":
+                c["reason"] = "ChatCompletionSucceeded" if new.reason == er.SERVING else new.reason
+                c["message"] = (new.message or "")[:1000]
+        existing = status.get("conditions") or []
+        now = datetime.now(UTC)
+        conditions += [
+            c.model_dump(by_alias=True, exclude_none=True)
+            for c in replica_conditions(probed, existing, generation, now)
+        ]
+        return new, {"probe": new.model_dump(by_alias=True, exclude_none=True), "conditions": conditions}
+
+    async def _after_pods(
+        self,
+        model: _Model,
+        body: Obj,
+        spec: ServedModelSpec,
+        probed: list[PodResult],
+        plan: _Plan | None,
+        status: Mapping[str, Any],
+        patch: dict[str, Any],
+    ) -> None:
+        """Readiness-gate writes (pods/status), and Events for every pod whose Serving changed and for
+        EngineStalled / KVCachePressure turning True."""
+        namespace, name = model.key
+        if model.removed or plan is None:
+            return
+        previous = previous_probe_status(status, model.last_status)
+        before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
+        now = datetime.now(UTC)
+        for r in probed:
+            pod = plan.pods.get(r.name)
+            if pod is None:
+                continue
+            serving = "True" if r.serving else "False"
+            if before.get(r.name) != serving:
+                self.metrics.pod_transitions.labels(namespace, name, serving, r.reason).inc()
+                await self._event(
+                    {"apiVersion": "v1", "kind": "Pod", "metadata": pod.get("metadata") or {}},
+                    "Normal" if r.serving else "Warning",
+                    "ReplicaServing" if r.serving else "ReplicaNotServing",
+                    f"{name}: {r.reason}: {r.message}"
+                    if not r.serving
+                    else f"{name}: a real chat completion succeeded",
+                )
+            if spec.probe.readiness_gate:
+                cond = gate_condition(r, pod, now)
+                if cond is not None:
+                    try:
+                        written_pod = await self.kube.apply_status(
+                            "v1",
+                            "pods",
+                            namespace,
+                            r.name,
+                            {"conditions": [cond]},
+                            self.config.probe_field_manager,
+                        )
+                        self._write_through("Pod", written_pod)
+                        self.metrics.gate_writes.labels(namespace, name, cond["status"]).inc()
+                    except ApiError as exc:
+                        log.warning(
+                            "readiness gate of pod %s/%s: %s %s", namespace, r.name, exc.status, exc.reason
+                        )
+        old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
+        if model.last_patch is not None:
+            old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
+        for c in patch["conditions"]:
+            was = (old_conds.get(c["type"]) or {}).get("status")
+            if c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE) and c["status"] == "True" and was != "True":
+                await self._event(body, "Warning", c["type"], c["message"])
+        self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
+        self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
+
+    def _write_through(self, kind: str, obj: Obj) -> None:
+        """Our write's answer into the cache (its `upsert`, where it has one), so the next cycle does
+        not act on a copy older than what it wrote."""
+        upsert = getattr(self.cache, "upsert", None)
+        if callable(upsert) and isinstance(obj, dict) and obj.get("metadata"):
+            upsert(kind, obj)
+
+    async def _event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
+        try:
+            await self.kube.create_event(involved, type=type_, reason=reason, message=message)
+        except ApiError as exc:
+            log.debug("event %s: %s %s", reason, exc.status, exc.reason)
+
+    async def _at_zero(self, model: _Model, body: Mapping[str, Any], status: Obj) -> CycleResult:
+        """Scaled to zero by the autoscaler: no chat (it would be traffic, and finds no engine), Serving
+        Unknown once, and no TTFT p95 series (a stale one would keep a KEDA trigger active)."""
+        namespace, name = model.key
+        with contextlib.suppress(KeyError):
+            self.metrics.ttft_p95.remove(namespace, name)
+        result = CycleResult(False, skipped="scaled-to-zero", next_delay_s=NOT_READY_WAIT_S)
+        said = ("Unknown", scaling.SCALED_TO_ZERO)
+        if model.removed or said in (
+            serving_of(status.get("conditions")),
+            serving_of((model.last_patch or {}).get("conditions")),
+        ):
+            return result
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        generation = (body.get("metadata") or {}).get("generation")
+        patch: dict[str, Any] = {
+            "conditions": scaling.scaled_to_zero_conditions(status.get("conditions"), generation, now)
+        }
+        if isinstance(status.get("probe"), dict):
+            patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
+        try:
+            written = await self.kube.apply_status(
+                API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+            )
+        except NotFoundError:
+            self.forget(namespace, name)
+            return result
+        except ApiError as exc:
+            log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
+            return result
+        model.last_patch = patch
+        if isinstance(written, dict) and written.get("metadata"):
+            model.body = written
+        self.metrics.status_writes.labels(namespace, name).inc()
+        result.written = result.serving_changed = True
+        if self.enqueue is not None:
+            self.enqueue(namespace, name)
         return result
 
     async def _secret_value(self, namespace: str, ref: _KeyRef) -> str:
