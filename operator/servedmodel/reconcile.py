@@ -220,13 +220,18 @@ async def observe_autoscaler(
     previous: Mapping[str, Any] | None,
     *,
     keda: bool,
+    cache: Cache | None = None,
 ) -> dict[str, Any] | None:
-    """status.autoscaling from the HPA that scales the Deployment (ours, or the one KEDA makes)."""
+    """status.autoscaling from the HPA that scales the Deployment (ours, or the one KEDA makes): from
+    the watch-fed cache where HPAs are watched (their status changes enqueue the ServedModel)."""
     if cr.spec.autoscaling is None:
         return None
     namespace = cr.metadata.namespace or "default"
     hpa = keda_hpa_name(cr.name) if keda else hpa_name(cr.name)
-    found = await client.get(HPA_API, "horizontalpodautoscalers", namespace, hpa)
+    if cache is not None and cache.tracks("HorizontalPodAutoscaler"):
+        found = cache.get("HorizontalPodAutoscaler", namespace, hpa)
+    else:
+        found = await client.get(HPA_API, "horizontalpodautoscalers", namespace, hpa)
     before = (previous or {}).get("autoscaling")
     return scaling.autoscaling_status(
         cr.spec,
@@ -380,7 +385,7 @@ async def reconcile(
             mode = st.ApplyFailed(observed, served_model_name, *apply_error)
         else:
             autoscaling = await observe_autoscaler(
-                client, cr, observed, previous, keda=optional.get(KEDA_API, False)
+                client, cr, observed, previous, keda=optional.get(KEDA_API, False), cache=cache
             )
             mode = st.Managed(observed, served_model_name, serving, autoscaling)
     desired = st.compute_status(subject, mode)

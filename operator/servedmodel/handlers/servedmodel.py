@@ -113,6 +113,11 @@ kopf.on.event("v1", "services", labels=_CHILDREN, id="service-cache")(_child_eve
 kopf.on.event("v1", "persistentvolumeclaims", labels=_CHILDREN, id="pvc-cache")(
     _child_event("PersistentVolumeClaim")
 )
+# spec.autoscaling: an HPA's status (a rescale, a metric it cannot get) becomes status.autoscaling. KEDA's
+# keda-hpa-<name> carries the ScaledObject's labels, so the filter and the instance label find it too.
+kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=_CHILDREN, id="hpa-cache")(
+    _child_event("HorizontalPodAutoscaler")
+)
 # Read by the probe scheduler (ready engine addresses); the reconciler does not use them.
 kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels=_CHILDREN, id="endpointslice-cache")(
     _child_event("EndpointSlice", enqueue=False)

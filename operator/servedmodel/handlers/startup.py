@@ -104,7 +104,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         _identity(memo), max_inflight=config.max_inflight_requests, read_timeout_s=config.api_timeout
     )
     cache = memo.cache = Cache()
-    for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice"):
+    kinds = ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice")
+    for kind in (*kinds, "HorizontalPodAutoscaler"):
         cache.track(kind)
 
     from .servedmodel import reconcile_key  # the reconcile entry point (handlers/servedmodel.py)
