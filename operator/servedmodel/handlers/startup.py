@@ -99,6 +99,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     settings.networking.connect_timeout = 10
     # Event handlers of one object run one after another, objects in parallel: many at most.
     settings.batching.worker_limit = 64
+    # kopf logs "Handler ... succeeded." per watch event at INFO: thousands of lines a minute with
+    # thousands of objects, none of them news. Its warnings and errors still show (all of it with -v).
+    if not logging.getLogger("kopf").isEnabledFor(logging.DEBUG):
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     client = memo.client = KubeClient(
         _identity(memo), max_inflight=config.max_inflight_requests, read_timeout_s=config.api_timeout
