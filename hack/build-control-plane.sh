@@ -40,7 +40,7 @@ build_etcd() {
   rm -rf "${dir}" && mkdir -p "${dir}" && cd "${dir}"
   go mod init servedmodel.local/etcdbuild >/dev/null 2>&1
   go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}" || return 1
-  go build -trimpath -ldflags "-s -w" -o "${BIN}/etcd.tmp" go.etcd.io/etcd/server/v3
+  go build -trimpath -ldflags "-s -w" -o "${BIN}/etcd.tmp" go.etcd.io/etcd/server/v3 || return 1
   mv "${BIN}/etcd.tmp" "${BIN}/etcd"
 }
 
@@ -105,7 +105,7 @@ build_kubernetes() {
   done
   mkdir -p "${WORK}/kubernetes/out"
   # One `go build` for all binaries shares the compile work of the common packages.
-  go build -p "${GO_BUILD_P:-2}" -trimpath -ldflags "-s -w ${ld[*]}" -o "${WORK}/kubernetes/out/" "${pkgs[@]}"
+  go build -p "${GO_BUILD_P:-2}" -trimpath -ldflags "-s -w ${ld[*]}" -o "${WORK}/kubernetes/out/" "${pkgs[@]}" || return 1
   for b in "${K8S_BINS[@]}"; do
     [[ -x "${WORK}/kubernetes/out/$b" ]] && mv "${WORK}/kubernetes/out/$b" "${BIN}/$b"
   done
