@@ -29,6 +29,7 @@ from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
+from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,37 @@ async def observe(
         if route is None and not cache.tracks("Route"):
             route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name))
     return st.Observed(deployment=deployment, pods=pods, route=route)
+
+
+async def chat_template(
+    client: KubeClient, cache: Cache, namespace: str, cr: ServedModel
+) -> tuple[str | None, TemplateMissing | None]:
+    """(the digest the pod template carries, why the named template is missing) for
+    spec.engine.chatTemplate: the ConfigMap key's digest, the ConfigMap from the cache (labelled ones are
+    watched) or else the API server. While it is missing (or unreadable), the digest the running pods
+    already carry is kept: a deleted ConfigMap must not roll healthy pods into ones that cannot start."""
+    ref = cr.spec.engine.chat_template
+    if ref is None:
+        return None, None
+    configmap = cache.get("ConfigMap", namespace, ref.name)
+    try:
+        if configmap is None:
+            configmap = await client.get("v1", "configmaps", namespace, ref.name)
+        found = template_digest(configmap, ref)
+    except ApiError as e:
+        if e.status == 0:
+            raise  # unreachable: the caller backs off
+        found = TemplateMissing(
+            TEMPLATE_UNREADABLE, f"spec.engine.chatTemplate: ConfigMap {ref.name}: {e.status} {e.reason}"
+        )
+    if isinstance(found, str):
+        return found, None
+    dep_name = names.deployment_name(cr.name)
+    if cache.tracks("Deployment"):
+        deployment = cache.get("Deployment", namespace, dep_name)
+    else:
+        deployment = await client.get("apps/v1", "deployments", namespace, dep_name)
+    return running_digest(deployment), found
 
 
 def deployment_lagging(observed: st.Observed) -> bool:
@@ -324,12 +356,15 @@ async def reconcile(
             MONITORING_API: await client.discover(MONITORING_API),
             KEDA_API: await client.discover(KEDA_API),
         }
+    template_missing: TemplateMissing | None = None
     if cr is not None and not cr.spec.external:
+        template_digest, template_missing = await chat_template(client, cache, namespace, cr)
         ctx = RenderContext.from_config(
             config,
             has_route_api=optional[ROUTE_API],
             has_service_monitor_api=optional[MONITORING_API],
             has_keda_api=optional[KEDA_API],
+            chat_template_digest=template_digest,
         )
         try:
             objects = render(cr, ctx)
@@ -387,7 +422,10 @@ async def reconcile(
             autoscaling = await observe_autoscaler(
                 client, cr, observed, previous, keda=optional.get(KEDA_API, False), cache=cache
             )
-            mode = st.Managed(observed, served_model_name, serving, autoscaling)
+            missing = None
+            if template_missing is not None:
+                missing = st.Problem(template_missing.reason, template_missing.message)
+            mode = st.Managed(observed, served_model_name, serving, autoscaling, missing)
     desired = st.compute_status(subject, mode)
     written, changes = await finish(client, cache, config, body, desired, post_events)
     return Outcome(

@@ -355,6 +355,9 @@ class Managed:
     serving: Obj | None = None
     # status.autoscaling as servedmodel.scaling computed it from the HPA (spec.autoscaling set), else None.
     autoscaling: Obj | None = None
+    # Something the engine is configured with that the operator could not find (the chat template
+    # ConfigMap or its key, render.chat_template): Degraded with its reason, whatever the pods say.
+    missing: Problem | None = None
 
 
 @dataclass(frozen=True)
@@ -453,6 +456,9 @@ def compute_status(subject: Subject, mode: Mode) -> dict[str, Any]:
             status.update(_replica_fields(subject.name, mode.observed))
             if isinstance(mode, Managed):
                 phase = _degraded_by_probe(phase, conds, mode.serving)
+                if mode.missing is not None:
+                    conds.degraded = Verdict("True", mode.missing.reason, mode.missing.message)
+                    phase = phase if phase == "Failed" else "Degraded"
                 if mode.autoscaling is not None:
                     status["autoscaling"] = dict(mode.autoscaling)
                     if conds.ready.reason == "ScaledToZero" and mode.autoscaling.get("message"):

@@ -253,6 +253,10 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         ("update", "deployments.apps", "-n", "default"),
         ("create", "daemonsets.apps", "-n", "kube-system"),
         ("create", "roles.rbac.authorization.k8s.io", "-n", "default"),
+        # chat template ConfigMaps are read, never written
+        ("create", "configmaps", "-n", "default"),
+        ("patch", "configmaps", "-n", "default"),
+        ("delete", "configmaps", "-n", "default"),
     ],
     ids=lambda a: " ".join(a),
 )
@@ -270,6 +274,8 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("patch", "pods/status", "-n", "default"),  # the probe's readiness gate
         ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
         ("create", "events", "-n", "default"),
+        ("watch", "configmaps", "--all-namespaces"),  # chat templates (label-filtered watch)
+        ("get", "configmaps", "-n", "default"),
         ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
         ("patch", "horizontalpodautoscalers.autoscaling", "-n", "default"),
         ("get", "horizontalpodautoscalers.autoscaling", "-n", "default"),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 from typing import Any
 
 import pytest
 
-from servedmodel.api import ServedModel
+from servedmodel.api import ConfigMapKeyRef, ServedModel
 from servedmodel.api import names as n
 from servedmodel.config import OperatorConfig
 from servedmodel.render import (
@@ -20,6 +21,15 @@ from servedmodel.render import (
     probes,
     render,
     to_yaml,
+)
+from servedmodel.render.chat_template import (
+    CHAT_TEMPLATE_DIGEST_ANNOTATION,
+    TEMPLATE_KEY_NOT_FOUND,
+    TEMPLATE_NOT_FOUND,
+    TemplateMissing,
+    referencing,
+    running_digest,
+    template_digest,
 )
 from servedmodel.sim import cli as sim_cli
 
@@ -374,11 +384,76 @@ def test_simulator_accepts_every_rendered_flag() -> None:
     assert args.enable_prefix_caching is False
 
 
+def _configmap(**data: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "t", "namespace": "ml"},
+        "data": data,
+    }
+
+
+def _pod_template_for(configmap: dict[str, Any] | None) -> dict[str, Any]:
+    """The pod template the reconciler renders for a ServedModel whose chat template is ConfigMap t, key k."""
+    sm = cr({"engine": {"chatTemplate": {"name": "t", "key": "k"}}})
+    assert sm.spec.engine.chat_template is not None
+    digest = template_digest(configmap, sm.spec.engine.chat_template)
+    ctx = RenderContext(chat_template_digest=digest if isinstance(digest, str) else None)
+    template: dict[str, Any] = deployment(sm, ctx)["spec"]["template"]
+    return template
+
+
+def test_chat_template_digest_rolls_pods() -> None:
+    """Editing the referenced key changes the pod template (a new pod-template-hash: the pods roll);
+    editing another key of the ConfigMap, or nothing, changes nothing."""
+    first = _pod_template_for(_configmap(k="{{ messages }}", other="x"))
+    assert first["metadata"]["annotations"][CHAT_TEMPLATE_DIGEST_ANNOTATION].startswith("sha256:")
+    assert _pod_template_for(_configmap(k="{{ messages }}", other="x")) == first
+    assert _pod_template_for(_configmap(k="{{ messages }}", other="changed")) == first
+    edited = _pod_template_for(_configmap(k="{% for m in messages %}{{ m.content }}{% endfor %}"))
+    assert edited != first
+    assert edited["spec"] == first["spec"]  # only the digest differs
+    # binaryData counts as the same content as data.
+    as_binary = {**_configmap(), "binaryData": {"k": base64.b64encode(b"{{ messages }}").decode()}}
+    assert _pod_template_for(as_binary) == first
+
+
+def test_no_digest_without_a_chat_template() -> None:
+    meta = deployment(cr({}), RenderContext(chat_template_digest="sha256:abc"))["spec"]["template"][
+        "metadata"
+    ]
+    assert CHAT_TEMPLATE_DIGEST_ANNOTATION not in meta.get("annotations", {})
+
+
 @pytest.mark.parametrize(
-    ("template", "digest", "annotated"),
-    [(True, "sha256:abc", True), (True, None, False), (False, "sha256:abc", False)],
+    ("configmap", "reason", "says"),
+    [
+        (None, TEMPLATE_NOT_FOUND, "ConfigMap t not found"),
+        (_configmap(other="x"), TEMPLATE_KEY_NOT_FOUND, "has no key k (keys: other)"),
+        ({**_configmap(), "binaryData": {"k": "not base64!"}}, TEMPLATE_KEY_NOT_FOUND, "not base64"),
+    ],
+    ids=["no-configmap", "no-key", "bad-binary"],
 )
-def test_chat_template_digest_rolls_pods(template: bool, digest: str | None, annotated: bool) -> None:
-    spec = {"engine": {"chatTemplate": {"name": "t", "key": "k"}}} if template else {}
-    meta = deployment(cr(spec), RenderContext(chat_template_digest=digest))["spec"]["template"]["metadata"]
-    assert ("inference.servedmodel.io/chat-template-digest" in meta.get("annotations", {})) is annotated
+def test_missing_chat_template_is_a_reason(configmap: dict[str, Any] | None, reason: str, says: str) -> None:
+    got = template_digest(configmap, ConfigMapKeyRef(name="t", key="k"))
+    assert isinstance(got, TemplateMissing)
+    assert got.reason == reason
+    assert says in got.message
+    assert got.message.startswith("spec.engine.chatTemplate: ")
+
+
+def test_running_digest_and_referencing() -> None:
+    template = _pod_template_for(_configmap(k="x"))
+    digest = template["metadata"]["annotations"][CHAT_TEMPLATE_DIGEST_ANNOTATION]
+    assert running_digest({"spec": {"template": template}}) == digest
+    assert running_digest(None) is None
+    assert running_digest({"spec": {"template": {"metadata": {}}}}) is None
+    sms = [
+        {
+            "metadata": {"namespace": "ml", "name": n},
+            "spec": {"engine": {"chatTemplate": {"name": c, "key": "k"}}},
+        }
+        for n, c in (("b", "t"), ("a", "t"), ("c", "other"))
+    ] + [{"metadata": {"namespace": "ml", "name": "d"}, "spec": {}}]
+    assert referencing(sms, "ml", "t") == ["a", "b"]
+    assert referencing(sms, "elsewhere", "t") == []

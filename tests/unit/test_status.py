@@ -13,6 +13,7 @@ from servedmodel.status import (
     InvalidSpec,
     Managed,
     Observed,
+    Problem,
     Subject,
     compute_status,
     endpoint_url,
@@ -631,3 +632,18 @@ def test_probe_serving_degrades_a_ready_model(
     assert (cond["status"], cond["reason"]) == degraded
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == ("False" if observed is STARTING_OBS else "True")
+
+
+def test_missing_chat_template_degrades_with_its_reason() -> None:
+    """spec.engine.chatTemplate names a ConfigMap (or key) that does not exist: Degraded says which,
+    whatever the pods say; Ready keeps the children's story."""
+    missing = Problem("ChatTemplateNotFound", "spec.engine.chatTemplate: ConfigMap t not found")
+    status = compute_status(subject(), Managed(READY_OBS, MODEL, missing=missing))
+    assert status["phase"] == "Degraded"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChatTemplateNotFound")
+    assert degraded["message"] == missing.message
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    (event,) = transitions(None, status)
+    assert (event.type, event.reason) == ("Warning", "Degraded")

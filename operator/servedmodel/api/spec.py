@@ -161,7 +161,12 @@ class EngineSpec(ApiModel):
     dtype: Dtype | None = Field(default=None, description="--dtype of weights and activations.")
     chat_template: ConfigMapKeyRef | None = Field(
         default=None,
-        description="ConfigMap key holding a Jinja chat template, mounted and passed as --chat-template.",
+        description=(
+            "ConfigMap key holding a Jinja chat template, mounted and passed as --chat-template; a change of "
+            "its content rolls the pods (a digest in the pod template). Label the ConfigMap "
+            "inference.servedmodel.io/chat-template (any value) so the operator watches it and an edit rolls "
+            "the pods at once; an unlabelled one is read when the ServedModel is next reconciled."
+        ),
     )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
@@ -463,6 +468,14 @@ class ServedModelSpec(ApiModel):
                     ".endpoint",
                 ),
                 cel(
+                    # replicas has a schema default (1), so an unset replicas reads as 1 here; the rule also
+                    # holds for `kubectl scale` (the scale subresource validates the whole object).
+                    "!has(self.endpoint) || !has(self.replicas) || self.replicas == 1",
+                    "endpoint (external mode) deploys nothing: replicas must not be set (there are no engine "
+                    "replicas to scale; scale the external server itself)",
+                    ".replicas",
+                ),
+                cel(
                     # A transition rule (oldSelf): runs on updates only, so also on the scale subresource.
                     "!has(self.autoscaling) || !has(oldSelf.autoscaling) || "
                     "self.replicas == oldSelf.replicas",
@@ -574,6 +587,11 @@ class ServedModelSpec(ApiModel):
             raise ValueError("resources.gpus must be at least 1 for engine.kind vllm")
         if self.revision is not None and self.model.startswith("pvc://"):
             raise ValueError("revision applies to Hugging Face models, not pvc:// models")
+        if self.endpoint is not None and self.replicas != 1:
+            raise ValueError(
+                "endpoint (external mode) deploys nothing: replicas must not be set (there are no engine "
+                "replicas to scale)"
+            )
         if self.endpoint is not None:
             set_fields = {name: getattr(self, name) for name in self.model_fields_set if name != "engine"}
             deploy = {

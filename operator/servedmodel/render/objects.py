@@ -25,6 +25,7 @@ from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
 from .autoscaling import autoscaler_objects
+from .chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION
 from .errors import RenderError
 
 Obj = dict[str, Any]
@@ -36,7 +37,6 @@ HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
 # Long completions stream for minutes; the OpenShift router's default 30 s would cut them.
 ROUTE_TIMEOUT = "600s"
-CHAT_TEMPLATE_DIGEST_ANNOTATION = "inference.servedmodel.io/chat-template-digest"
 COMMANDS = {"vllm": ["vllm", "serve"], "simulator": ["servedmodel", "sim"]}
 
 
@@ -50,8 +50,8 @@ class RenderContext:
     has_service_monitor_api: bool = False
     # keda.sh/v1alpha1 exists: spec.autoscaling renders a ScaledObject instead of an HPA.
     has_keda_api: bool = False
-    # A digest of the chat template ConfigMap's content (the reconciler reads it); when it changes the
-    # pod template changes, so a new template rolls the pods instead of waiting for a restart.
+    # A digest of the chat template ConfigMap's key (chat_template.template_digest; the reconciler
+    # reads the ConfigMap): when it changes the pod template changes, so a new template rolls the pods.
     chat_template_digest: str | None = None
 
     @classmethod
