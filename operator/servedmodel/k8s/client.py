@@ -106,6 +106,7 @@ KNOWN_RESOURCES: Final = (
     Resource("route.openshift.io/v1", "Route", "routes"),
     Resource("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
     Resource("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+    Resource("keda.sh/v1alpha1", "TriggerAuthentication", "triggerauthentications"),
     Resource("inference.servedmodel.io/v1alpha1", "ServedModel", "servedmodels"),
 )
 
