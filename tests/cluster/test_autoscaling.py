@@ -282,7 +282,9 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
                 else None
             ),
         )
-        assert final["lastScale"].get("fromReplicas") == 3, final
+        # The queue drains over a few HPA syncs, so the way down may take a step (3 → 2 → 1).
+        assert final["lastScale"].get("fromReplicas") in (2, 3), final
+        print(f"\nDeployment replicas seen, in order: {seen} (scale-up part {up})")
         dep = get(cp, namespace, "deployment", name)
         assert dep is not None
         assert OPERATOR_MANAGER not in replicas_owners(dep)
