@@ -50,6 +50,9 @@ STAGE_FILES = (
     "pod-complete.yaml",
     "pod-delete.yaml",
 )
+# kwok's pod-ready stage replaced by hack/kwok's, which honours readiness gates as a kubelet does, plus
+# the two stages that flip Ready when a gate's condition changes (see the files).
+REPO_STAGE_FILES = ("pod-ready.yaml", "pod-readiness-gates-ready.yaml", "pod-readiness-gates-unready.yaml")
 GPU_NODE = "kwok-gpu-0"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Shutdown order: the clients first, storage last.
@@ -620,7 +623,8 @@ def _start_once(
             "--cidr=10.244.0.0/16", "--node-ip=10.240.0.2",
             # Leases renewed by kwok keep the node Ready past the node-lifecycle grace period.
             "--node-lease-duration-seconds=40",
-            *[f"--config={stages / f}" for f in STAGE_FILES],
+            *[f"--config={stages / f}" for f in STAGE_FILES if f not in REPO_STAGE_FILES],
+            *[f"--config={HACK_DIR / 'kwok' / f}" for f in REPO_STAGE_FILES],
         ])  # fmt: skip
         cp.request("POST", "/api/v1/nodes", gpu_node())
         for i in range(volumes):

@@ -271,7 +271,7 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("patch", "servedmodels.inference.servedmodel.io/status", "-n", "default"),
         ("patch", "deployments.apps", "-n", "default"),
         ("list", "pods", "--all-namespaces"),
-        ("patch", "pods/status", "-n", "default"),  # the probe's readiness gate
+        ("patch", "pods", "--subresource=status", "-n", "default"),  # the probe's readiness gate
         ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
         ("create", "events", "-n", "default"),
         ("watch", "configmaps", "--all-namespaces"),  # chat templates (label-filtered watch)
