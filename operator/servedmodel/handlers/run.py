@@ -43,7 +43,8 @@ def main(args: argparse.Namespace) -> int:
     config = OperatorConfig()
     namespaces: list[str] = [] if args.all_namespaces else (args.namespaces or config.namespaces)
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    for chatty in ("httpx", "httpx2"):  # one INFO line per request otherwise (httpx2: lightkube's)
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
     import servedmodel.handlers  # noqa: F401  (registers the handlers with kopf)
 
