@@ -17,8 +17,7 @@ import pytest
 from aiohttp import web
 from probe_support import PrometheusServer
 
-from servedmodel.probe import errors as er
-from servedmodel.probe import prometheus
+from servedmodel.probe import errors, prometheus
 from servedmodel.probe.prometheus import PrometheusMetrics, parse_vector
 
 VECTOR = {
@@ -30,27 +29,27 @@ VECTOR = {
 @pytest.mark.parametrize(
     ("status", "body", "reason", "says"),
     [
-        (401, b"", er.UNAUTHORIZED, "bearer token was refused"),
-        (403, b'{"status":"error"}', er.UNAUTHORIZED, "HTTP 403"),
+        (401, b"", errors.UNAUTHORIZED, "bearer token was refused"),
+        (403, b'{"status":"error"}', errors.UNAUTHORIZED, "HTTP 403"),
         (
             400,
             b'{"status":"error","errorType":"bad_data","error":"parse error"}',
-            er.UNEXPECTED_STATUS,
+            errors.UNEXPECTED_STATUS,
             "bad_data",
         ),
-        (503, b"<html>unavailable</html>", er.UNEXPECTED_STATUS, "not Prometheus' API"),
-        (200, b"not json", er.MALFORMED_RESPONSE, "not JSON"),
+        (503, b"<html>unavailable</html>", errors.UNEXPECTED_STATUS, "not Prometheus' API"),
+        (200, b"not json", errors.MALFORMED_RESPONSE, "not JSON"),
         (
             200,
             b'{"status":"success","data":{"resultType":"matrix","result":[]}}',
-            er.MALFORMED_RESPONSE,
+            errors.MALFORMED_RESPONSE,
             "vector",
         ),
     ],
     ids=["401", "403", "bad-query", "html-503", "not-json", "matrix"],
 )
 def test_answers_are_classified(status: int, body: bytes, reason: str, says: str) -> None:
-    with pytest.raises(er.ProbeFailure) as failed:
+    with pytest.raises(errors.ProbeFailure) as failed:
         parse_vector(status, body)
     assert failed.value.reason == reason
     assert says in failed.value.message
@@ -72,9 +71,9 @@ async def test_real_prometheus_query_and_bad_query(
 ) -> None:
     reader = PrometheusMetrics(http, prometheus.base_url, model="qwen", namespace="probe-ns")
     assert await reader.query("vector(1)") == [{"metric": {}, "value": [pytest.approx(0, abs=1e12), "1"]}]
-    with pytest.raises(er.ProbeFailure) as failed:
+    with pytest.raises(errors.ProbeFailure) as failed:
         await reader.query("sum(")
-    assert failed.value.reason == er.UNEXPECTED_STATUS
+    assert failed.value.reason == errors.UNEXPECTED_STATUS
     assert "HTTP 400: bad_data" in failed.value.message
 
 
@@ -83,9 +82,9 @@ async def test_closed_port_is_connection_refused(http: httpx.AsyncClient) -> Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     reader = PrometheusMetrics(http, f"http://127.0.0.1:{port}", model="qwen", namespace=None)
-    with pytest.raises(er.ProbeFailure) as failed:
+    with pytest.raises(errors.ProbeFailure) as failed:
         await reader.snapshot()
-    assert failed.value.reason == er.CONNECTION_REFUSED
+    assert failed.value.reason == errors.CONNECTION_REFUSED
 
 
 async def _serve(handler: Callable[[web.Request], Any]) -> tuple[web.AppRunner, str]:
@@ -113,12 +112,12 @@ async def test_bearer_token_is_sent_and_a_refused_one_is_unauthorized(http: http
         good = PrometheusMetrics(http, url, model="qwen", namespace="ml", bearer_token="good")
         assert await good.query("up") == VECTOR["data"]["result"]  # type: ignore[index]
         bad = PrometheusMetrics(http, url, model="qwen", namespace="ml", bearer_token="s3cret-wrong")
-        with pytest.raises(er.ProbeFailure) as failed:
+        with pytest.raises(errors.ProbeFailure) as failed:
             await bad.query("up")
     finally:
         await runner.cleanup()
     assert seen == ["Bearer good", "Bearer s3cret-wrong"]
-    assert failed.value.reason == er.UNAUTHORIZED
+    assert failed.value.reason == errors.UNAUTHORIZED
     assert "s3cret" not in failed.value.message
 
 
@@ -141,9 +140,9 @@ async def test_gateway_errors_retry_bounded(http: httpx.AsyncClient, unavailable
         if ok:
             assert await reader.query("up") == VECTOR["data"]["result"]  # type: ignore[index]
         else:
-            with pytest.raises(er.ProbeFailure) as failed:
+            with pytest.raises(errors.ProbeFailure) as failed:
                 await reader.query("up")
-            assert failed.value.reason == er.UNEXPECTED_STATUS
+            assert failed.value.reason == errors.UNEXPECTED_STATUS
             assert "HTTP 503: unavailable" in failed.value.message
     finally:
         await runner.cleanup()
@@ -179,9 +178,9 @@ async def test_a_query_that_times_out_leaves_nothing_running(
     threads = threading.active_count()
     async with silent_server() as (url, connected, closed):
         reader = PrometheusMetrics(http, url, model="qwen", namespace="ml")
-        with pytest.raises(er.ProbeFailure) as failed:
+        with pytest.raises(errors.ProbeFailure) as failed:
             await reader.query("up")
-        assert failed.value.reason == er.PROBE_TIMEOUT
+        assert failed.value.reason == errors.PROBE_TIMEOUT
         assert connected.is_set()
         await asyncio.wait_for(closed.wait(), 10)  # bounded wait: the client hung up, the server saw it
     assert threading.active_count() == threads

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from servedmodel.api import ConfigMapKeyRef, ServedModel
-from servedmodel.api import names as n
+from servedmodel.api import ConfigMapKeyRef, ServedModel, names
 from servedmodel.config import OperatorConfig
 from servedmodel.render import (
     RenderContext,
@@ -241,9 +240,9 @@ def test_env_sorted_and_user_env_overrides_by_name() -> None:
         {"engine": {"env": [{"name": "HF_HOME", "value": "/cache/hf"}, {"name": "A_FIRST", "value": "1"}]}}
     )
     env = engine_env(obj)
-    names = [e["name"] for e in env]
-    assert names == sorted(names)
-    assert len(names) == len(set(names))
+    variables = [e["name"] for e in env]
+    assert variables == sorted(variables)
+    assert len(variables) == len(set(variables))
     assert {"name": "HF_HOME", "value": "/cache/hf"} in env
 
 
@@ -257,7 +256,7 @@ def test_labels_selectors_and_names(name: str) -> None:
         "Route",
         "ServiceMonitor",
     ]
-    selector = n.selector_labels(name)
+    selector = names.selector_labels(name)
     for obj in objects:
         labels = obj["metadata"]["labels"]
         for key in ("name", "instance", "component", "managed-by", "part-of"):

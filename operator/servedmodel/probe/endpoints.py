@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ENGINE_PORT_NAME = "http"
-ENGINE_PORT = 8000
+from servedmodel.api.names import ENGINE_PORT, ENGINE_PORT_NAME
 
 
 @dataclass(frozen=True)

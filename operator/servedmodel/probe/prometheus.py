@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import httpx
 
-from . import errors as er
+from . import errors
 from .errors import ProbeFailure
 from .metrics import GAUGES, MAX_GAUGES, MetricsSnapshot, snapshot_from_values, wanted_sample_names
 
@@ -82,21 +82,21 @@ def parse_vector(status: int, body: bytes) -> list[dict[str, Any]]:
     except ValueError:
         doc = None
     if status in (401, 403):
-        raise ProbeFailure(er.UNAUTHORIZED, f"{QUERY_STEP}: HTTP {status} (the bearer token was refused)")
+        raise ProbeFailure(errors.UNAUTHORIZED, f"{QUERY_STEP}: HTTP {status} (the bearer token was refused)")
     if not isinstance(doc, dict):
         if status != 200:
-            raise ProbeFailure(er.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: not Prometheus' API")
-        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{QUERY_STEP}: the answer is not JSON")
+            raise ProbeFailure(errors.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: not Prometheus' API")
+        raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{QUERY_STEP}: the answer is not JSON")
     if status != 200 or doc.get("status") != "success":
         kind, detail = doc.get("errorType") or "error", str(doc.get("error") or "")[:300]
-        raise ProbeFailure(er.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: {kind}: {detail}")
+        raise ProbeFailure(errors.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: {kind}: {detail}")
     data = doc.get("data")
     if (
         not isinstance(data, dict)
         or data.get("resultType") != "vector"
         or not isinstance(data.get("result"), list)
     ):
-        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{QUERY_STEP}: not an instant vector")
+        raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{QUERY_STEP}: not an instant vector")
     return list(data["result"])
 
 
@@ -134,10 +134,10 @@ class PrometheusMetrics:
                     r = await self._http.get(self._url, params=params, headers=self._headers, timeout=timeout)
             except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
                 raise ProbeFailure(
-                    er.PROBE_TIMEOUT, f"{QUERY_STEP}: no answer within {QUERY_TIMEOUT_S:g} s"
+                    errors.PROBE_TIMEOUT, f"{QUERY_STEP}: no answer within {QUERY_TIMEOUT_S:g} s"
                 ) from None
             except httpx.TransportError as exc:
-                raise er.classify_transport_error(exc, QUERY_STEP) from None
+                raise errors.classify_transport_error(exc, QUERY_STEP) from None
             if r.status_code not in RETRY_STATUSES or attempt >= RETRIES:
                 return parse_vector(r.status_code, r.content)
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
@@ -151,7 +151,7 @@ class PrometheusMetrics:
         values = values_from_results(r_sum, r_max)
         if not values:
             raise ProbeFailure(
-                er.NO_READY_ENDPOINTS,
+                errors.NO_READY_ENDPOINTS,
                 f"Prometheus has no vllm series for {{{selector(self.model, self.namespace)}}}",
             )
         sources = round(float(r_count[0]["value"][1])) if r_count else 1
@@ -177,7 +177,7 @@ class PrometheusMetrics:
                     return after
             if time.monotonic() >= deadline:
                 raise ProbeFailure(
-                    er.PROBE_TIMEOUT,
+                    errors.PROBE_TIMEOUT,
                     f"Prometheus had no scrape counting the probe within {self.settle_timeout_s:g} s",
                 )
             await asyncio.sleep(SETTLE_POLL_S)

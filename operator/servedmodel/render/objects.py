@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel
-from servedmodel.api import names as n
+from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
 from servedmodel.api.crd import dump_yaml
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
@@ -78,7 +77,7 @@ def _meta(cr: ServedModel, name: str, annotations: dict[str, str] | None = None)
     meta: Obj = {"name": name}
     if cr.metadata.namespace:
         meta["namespace"] = cr.metadata.namespace
-    meta["labels"] = n.standard_labels(cr.name, cr.spec.engine.kind)
+    meta["labels"] = names.standard_labels(cr.name, cr.spec.engine.kind)
     if annotations:
         meta["annotations"] = annotations
     if cr.metadata.uid:
@@ -129,7 +128,7 @@ def engine_env(cr: ServedModel) -> list[Obj]:
 
 def _health_probe(period: int, timeout: int, failures: int) -> Obj:
     return {
-        "httpGet": {"path": HEALTH_PATH, "port": n.ENGINE_PORT_NAME, "scheme": "HTTP"},
+        "httpGet": {"path": HEALTH_PATH, "port": names.ENGINE_PORT_NAME, "scheme": "HTTP"},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -192,7 +191,7 @@ def _volumes(cr: ServedModel) -> tuple[list[Obj], list[Obj]]:
     if cache is None:
         volumes.append({"name": "cache", "emptyDir": {}})
     else:
-        claim = cache.existing_claim or n.cache_claim_name(cr.name)
+        claim = cache.existing_claim or names.cache_claim_name(cr.name)
         volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": claim}})
     mounts.append({"name": "cache", "mountPath": CACHE_MOUNT})
     if spec.engine.chat_template is not None:
@@ -231,7 +230,7 @@ def _check(cr: ServedModel) -> None:
 
 
 def _pod_metadata(cr: ServedModel, ctx: RenderContext) -> Obj:
-    meta: Obj = {"labels": n.standard_labels(cr.name, cr.spec.engine.kind)}
+    meta: Obj = {"labels": names.standard_labels(cr.name, cr.spec.engine.kind)}
     if cr.spec.engine.chat_template is not None and ctx.chat_template_digest:
         meta["annotations"] = {CHAT_TEMPLATE_DIGEST_ANNOTATION: ctx.chat_template_digest}
     return meta
@@ -249,7 +248,7 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         "imagePullPolicy": "IfNotPresent",
         "command": list(COMMANDS[kind]),
         "args": engine_args(spec),
-        "ports": [{"name": n.ENGINE_PORT_NAME, "containerPort": n.ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": names.ENGINE_PORT_NAME, "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
         "env": engine_env(cr),
         "resources": _resources(cr),
         **probes(cr),
@@ -284,10 +283,10 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(cr, n.deployment_name(cr.name)),
+        "metadata": _meta(cr, names.deployment_name(cr.name)),
         "spec": {
             **replicas,
-            "selector": {"matchLabels": n.selector_labels(cr.name)},
+            "selector": {"matchLabels": names.selector_labels(cr.name)},
             # A new pod must not wait for GPUs the old one holds: replace, don't surge.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             # Rollouts may take as long as the startup budget before the Deployment calls it stuck.
@@ -302,15 +301,15 @@ def service(cr: ServedModel) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cr, n.service_name(cr.name)),
+        "metadata": _meta(cr, names.service_name(cr.name)),
         "spec": {
             "type": "ClusterIP",
-            "selector": n.selector_labels(cr.name),
+            "selector": names.selector_labels(cr.name),
             "ports": [
                 {
-                    "name": n.ENGINE_PORT_NAME,
-                    "port": n.ENGINE_PORT,
-                    "targetPort": n.ENGINE_PORT_NAME,
+                    "name": names.ENGINE_PORT_NAME,
+                    "port": names.ENGINE_PORT,
+                    "targetPort": names.ENGINE_PORT_NAME,
                     "protocol": "TCP",
                     "appProtocol": "http",
                 }
@@ -333,7 +332,7 @@ def cache_claim(cr: ServedModel) -> Obj | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(cr, n.cache_claim_name(cr.name)),
+        "metadata": _meta(cr, names.cache_claim_name(cr.name)),
         "spec": spec,
     }
 
@@ -343,15 +342,17 @@ def route(cr: ServedModel) -> Obj:
     spec: Obj = {}
     if expose.host is not None:
         spec["host"] = expose.host
-    spec["to"] = {"kind": "Service", "name": n.service_name(cr.name), "weight": 100}
-    spec["port"] = {"targetPort": n.ENGINE_PORT_NAME}
+    spec["to"] = {"kind": "Service", "name": names.service_name(cr.name), "weight": 100}
+    spec["port"] = {"targetPort": names.ENGINE_PORT_NAME}
     if expose.tls:
         spec["tls"] = {"termination": "edge", "insecureEdgeTerminationPolicy": "Redirect"}
     spec["wildcardPolicy"] = "None"
     return {
         "apiVersion": "route.openshift.io/v1",
         "kind": "Route",
-        "metadata": _meta(cr, n.route_name(cr.name), {"haproxy.router.openshift.io/timeout": ROUTE_TIMEOUT}),
+        "metadata": _meta(
+            cr, names.route_name(cr.name), {"haproxy.router.openshift.io/timeout": ROUTE_TIMEOUT}
+        ),
         "spec": spec,
     }
 
@@ -360,11 +361,11 @@ def service_monitor(cr: ServedModel) -> Obj:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(cr, n.service_monitor_name(cr.name)),
+        "metadata": _meta(cr, names.service_monitor_name(cr.name)),
         "spec": {
-            "selector": {"matchLabels": n.selector_labels(cr.name)},
+            "selector": {"matchLabels": names.selector_labels(cr.name)},
             "endpoints": [
-                {"port": n.ENGINE_PORT_NAME, "path": "/metrics", "scheme": "http", "interval": "30s"}
+                {"port": names.ENGINE_PORT_NAME, "path": "/metrics", "scheme": "http", "interval": "30s"}
             ],
         },
     }
