@@ -11,8 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from servedmodel.api import ServedModel, ServedModelSpec, ServedModelStatus
-from servedmodel.api import names as n
+from servedmodel.api import ServedModel, ServedModelSpec, ServedModelStatus, names
 from servedmodel.api.base import to_camel
 from servedmodel.api.crd import open_api_schema
 
@@ -172,14 +171,14 @@ def test_body_round_trip_ignores_server_metadata() -> None:
     body["metadata"].update({"uid": "u", "managedFields": [{"manager": "kubectl"}], "generation": 3})
     cr = ServedModel.from_body(body)
     assert cr.metadata.generation == 3
-    assert cr.to_body()["spec"]["model"] == BASE_SPEC["model"]
+    assert cr.spec.model == BASE_SPEC["model"]
 
 
 @pytest.mark.parametrize("name", ["vllm", "qwen", "a", "x" * 56])
 def test_children_names_are_never_vllm_and_fit_a_dns_label(name: str) -> None:
-    assert n.service_name(name) != "vllm"
-    assert len(n.service_name(name)) <= 63
-    assert n.selector_string(name) == (
+    assert names.service_name(name) != "vllm"
+    assert len(names.service_name(name)) <= 63
+    assert names.selector_string(name) == (
         f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={name},app.kubernetes.io/name=servedmodel"
     )
-    assert set(n.selector_labels(name).items()) <= set(n.standard_labels(name, "vllm").items())
+    assert set(names.selector_labels(name).items()) <= set(names.standard_labels(name, "vllm").items())

@@ -75,7 +75,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Desired",
         "type": "integer",
         "jsonPath": ".status.autoscaling.desiredReplicas",
-        "description": "Replicas the autoscaler asks for (spec.autoscaling; status.autoscaling has the rest).",
+        "description": "Replicas the autoscaler asks for (spec.autoscaling; status.autoscaling has the "
+        "rest).",
         "priority": 1,
     },
     {

@@ -75,10 +75,6 @@ class ServedModel(ApiModel):
         """Parse a kopf body / API object (any Mapping); raises pydantic.ValidationError."""
         return cls.model_validate(dict(body))
 
-    def to_body(self) -> dict[str, Any]:
-        """The wire form (camelCase, unset optionals left out)."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
     @property
     def name(self) -> str:
         return self.metadata.name

@@ -355,7 +355,8 @@ class PodProbe(ApiModel):
         description="True when this pod's last probe completed a real chat request."
     )
     reason: str = Field(
-        max_length=128, description="CamelCase reason: Serving, or why not (StreamStalled, EngineStalled, ...)."
+        max_length=128,
+        description="CamelCase reason: Serving, or why not (StreamStalled, EngineStalled, ...).",
     )
     message: str | None = Field(default=None, max_length=512, description="Details of the pod's last probe.")
     endpoint: str | None = Field(default=None, max_length=2048, description="Base URL the pod was probed at.")

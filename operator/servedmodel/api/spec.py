@@ -27,7 +27,6 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # An HF repo id (`org/name` or a bare legacy `name`) or `pvc://<claim>[/<path>]`.
 MODEL_PATTERN = (
@@ -40,8 +39,6 @@ DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
 # Env the operator derives from secret references; a literal value would put a secret in the pod spec.
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY")
-# Flags the operator sets itself; extraArgs must not fight over them.
-OPERATOR_FLAGS = ("--port", "--host", "--api-key")
 
 EngineKind = Literal["vllm", "simulator"]
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
