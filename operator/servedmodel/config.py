@@ -64,7 +64,13 @@ class OperatorConfig(BaseSettings):
         default=8090, ge=0, le=65535, description="Port of the operator's /metrics; 0 = off."
     )
     health_port: int = Field(
-        default=8091, ge=0, le=65535, description="Port of kopf's liveness endpoint; 0 = off."
+        default=8091,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the operator's own liveness endpoint (kopf's /healthz, for the operator Deployment's "
+            "livenessProbe; not the engine's health probes nor the request-path probe); 0 = off."
+        ),
     )
     # The control loop (controller.py, docs/architecture-reconcile.md).
     workers: int = Field(default=8, ge=1, le=256, description="Concurrent reconciles (work-queue workers).")

@@ -1,4 +1,4 @@
-"""render/: table tests for args, probes, security context, labels, env, images and determinism."""
+"""render/: table tests for args, kubelet health probes, securityContext, labels, env, images, determinism."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from servedmodel.render import (
     deployment,
     engine_args,
     engine_env,
-    probes,
+    kubelet_probes,
     render,
     to_yaml,
 )
@@ -146,7 +146,7 @@ def test_render_error_names_the_field(spec: dict[str, Any], field: str) -> None:
 @pytest.mark.parametrize(("timeout", "threshold"), [(None, 180), (3600, 360), (65, 7)])
 def test_startup_budget(timeout: int | None, threshold: int) -> None:
     spec = {"engine": {"startupTimeoutSeconds": timeout}} if timeout else {}
-    p = probes(cr(spec))
+    p = kubelet_probes(cr(spec))
     startup = p["startupProbe"]
     assert startup["failureThreshold"] == threshold
     assert startup["failureThreshold"] * startup["periodSeconds"] >= (timeout or 1800)

@@ -136,9 +136,11 @@ def _health_probe(period: int, timeout: int, failures: int) -> Obj:
     }
 
 
-def probes(cr: ServedModel) -> dict[str, Obj]:
-    """startupProbe covers download + load + compile (spec.engine.startupTimeoutSeconds, default 30 min);
-    readiness and liveness only start after it, with thresholds that tolerate a busy engine."""
+def kubelet_probes(cr: ServedModel) -> dict[str, Obj]:
+    """The kubelet's health probes of the engine container, on vLLM's /health (not the operator's
+    request-path probe, spec.probe): startupProbe covers download + load + compile
+    (spec.engine.startupTimeoutSeconds, default 30 min); readiness and liveness only start after it,
+    with thresholds that tolerate a busy engine."""
     budget = cr.spec.engine.startup_timeout_seconds
     return {
         "startupProbe": _health_probe(STARTUP_PERIOD_SECONDS, 5, math.ceil(budget / STARTUP_PERIOD_SECONDS)),
@@ -251,7 +253,7 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         "ports": [{"name": names.ENGINE_PORT_NAME, "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
         "env": engine_env(cr),
         "resources": _resources(cr),
-        **probes(cr),
+        **kubelet_probes(cr),
         "securityContext": container_security_context(cr),
         "volumeMounts": mounts,
     }
