@@ -64,6 +64,19 @@ HPA_SYNC_PERIOD = "2s"
 # The aggregation layer's front proxy (kube-apiserver → aggregated API servers such as
 # prometheus-adapter's custom.metrics.k8s.io): the client name its certificate carries.
 FRONT_PROXY_CLIENT = "front-proxy-client"
+# Room for the scale benchmark (3,000 ServedModels: a Service and a Pod each, and some to spare): a /16
+# service range (65,534 ClusterIPs; the default /24 ran out at 253 Services) and a node that admits
+# that many pods (simulator-engine pods request no GPU, so pods are what limits them).
+SERVICE_CIDR = "10.0.0.0/16"
+NODE_PODS = 5000
+CONTROLLER_THROUGHPUT = (
+    "--kube-api-qps=500",
+    "--kube-api-burst=1000",
+    "--concurrent-deployment-syncs=25",
+    "--concurrent-replicaset-syncs=25",
+    "--concurrent-service-endpoint-syncs=25",
+    "--concurrent-gc-syncs=50",
+)
 
 
 class ControlPlaneError(RuntimeError):
@@ -377,12 +390,13 @@ def _kubeconfig(server: str, ca_file: Path, token: str) -> str:
     return json.dumps(config, indent=2)
 
 
-def gpu_node(name: str = GPU_NODE, gpus: int = 8) -> dict[str, Any]:
-    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration)."""
+def gpu_node(name: str = GPU_NODE, gpus: int = 8, pods: int = NODE_PODS) -> dict[str, Any]:
+    """A fake GPU node kwok manages: capacity like an 8-GPU server, no taints (pods need no toleration),
+    and room for `pods` pods (kwok runs none of them) instead of a kubelet's 110."""
     capacity = {
         "cpu": "32",
         "memory": "256Gi",
-        "pods": "110",
+        "pods": str(pods),
         "ephemeral-storage": "1Ti",
         GPU_RESOURCE: str(gpus),
     }
@@ -579,7 +593,7 @@ def _start_once(
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -611,11 +625,15 @@ def _start_once(
             "--bind-address=127.0.0.1", "--secure-port=0",
             "--use-service-account-credentials=false", "--v=1",
             f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD}",
+            # Client rate limits and workers sized for thousands of Deployments (defaults: 20 QPS, 5
+            # workers), so the controllers, not the operator under test, are not the queue.
+            *CONTROLLER_THROUGHPUT,
             *os.environ.get("SERVEDMODEL_CONTROLLER_MANAGER_FLAGS", "").split(),
         ])  # fmt: skip
         launcher.spawn("kube-scheduler", [
             f"--kubeconfig={kubeconfig}", "--leader-elect=false",
             "--bind-address=127.0.0.1", "--secure-port=0", "--v=1",
+            "--kube-api-qps=500", "--kube-api-burst=1000",
         ])  # fmt: skip
         stages = stages_dir(bin_dir)
         launcher.spawn("kwok", [
