@@ -273,6 +273,13 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("list", "pods", "--all-namespaces"),
         ("patch", "pods", "--subresource=status", "-n", "default"),  # the probe's readiness gate
         ("list", "endpointslices.discovery.k8s.io", "-n", "default"),
+        # The control loop's cache: one watch per child kind.
+        ("watch", "endpointslices.discovery.k8s.io", "--all-namespaces"),
+        ("watch", "deployments.apps", "--all-namespaces"),
+        ("watch", "services", "--all-namespaces"),
+        ("watch", "persistentvolumeclaims", "--all-namespaces"),
+        ("watch", "pods", "--all-namespaces"),
+        ("patch", "servedmodels.inference.servedmodel.io", "-n", "default"),  # the legacy finalizer
         ("create", "events", "-n", "default"),
         ("watch", "configmaps", "--all-namespaces"),  # chat templates (label-filtered watch)
         ("get", "configmaps", "-n", "default"),
