@@ -266,9 +266,8 @@ def main() -> int:
     if pod_probes:
         print(f"| operator CPU per pod probe | {(cpu1 - cpu0) / pod_probes * 1000:.1f} ms |")
         print(f"| engine HTTP requests per pod probe (without /metrics) | {(req1 - req0) / pod_probes:.1f} |")
-        print(
-            f"| operator CPU per replica per minute at this interval | {(cpu1 - cpu0) / pod_probes * 60 / args.interval * 1000:.0f} ms |"
-        )
+        per_minute = (cpu1 - cpu0) / pod_probes * 60 / args.interval * 1000
+        print(f"| operator CPU per replica per minute at this interval | {per_minute:.0f} ms |")
     return 0
 
 
