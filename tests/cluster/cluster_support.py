@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,17 @@ def served_model(name: str, **spec: Any) -> dict[str, Any]:
 
 def apply(cp: controlplane.ControlPlane, namespace: str, manifest: dict[str, Any]) -> None:
     cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, Any] | None:
+    """`kubectl get -n namespace WHAT -o json` (managed fields included); None when it is NotFound."""
+    res = cp.kubectl("get", "-n", namespace, *what, "-o", "json", "--show-managed-fields", check=False)
+    if res.returncode != 0:
+        if "NotFound" in res.stderr:
+            return None
+        raise AssertionError(res.stderr)
+    out: dict[str, Any] = json.loads(res.stdout)
+    return out
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:

@@ -9,13 +9,12 @@ here carry that label. Waits are bounded polls; nothing here asserts on elapsed 
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import cluster_support
 import pytest
 import yaml
-from cluster_support import apply, condition, wait_for
+from cluster_support import apply, condition, get, wait_for
 
 import controlplane
 from servedmodel.render.chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION, CHAT_TEMPLATE_LABEL
@@ -47,16 +46,6 @@ def configmap(cp: controlplane.ControlPlane, namespace: str, name: str, data: di
 def served_model(name: str, template: str) -> dict[str, Any]:
     engine = {"maxModelLen": 4096, "chatTemplate": {"name": template, "key": KEY}}
     return cluster_support.served_model(name, engine=engine, probe={"enabled": False})
-
-
-def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, Any] | None:
-    res = cp.kubectl("get", "-n", namespace, *what, "-o", "json", check=False)
-    if res.returncode != 0:
-        if "NotFound" in res.stderr:
-            return None
-        raise AssertionError(res.stderr)
-    out: dict[str, Any] = json.loads(res.stdout)
-    return out
 
 
 def template_digest(cp: controlplane.ControlPlane, namespace: str, name: str) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-from cluster_support import apply, condition
+from cluster_support import apply, condition, get
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
@@ -34,16 +34,6 @@ WAIT_S = 90.0
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
     """Poll `probe` until it returns something truthy; return it, or fail saying what was last seen."""
     return cluster_support.wait_for(what, probe, timeout)
-
-
-def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, Any] | None:
-    res = cp.kubectl("get", "-n", namespace, *what, "-o", "json", "--show-managed-fields", check=False)
-    if res.returncode != 0:
-        if "NotFound" in res.stderr:
-            return None
-        raise AssertionError(res.stderr)
-    out: dict[str, Any] = json.loads(res.stdout)
-    return out
 
 
 def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:

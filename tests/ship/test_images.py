@@ -194,17 +194,21 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")
     }
+
+    def run(*cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
     for args, workdir in containerfile.pip_installs:
         cmd = [*pip, "install", "-q", *_pip_args(args, root, workdir)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, check=False)
+        res = run(*cmd, timeout=PIP_TIMEOUT_S)
         assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
 
     # The dependencies: exactly what the installed wheel's requirements pull in for the image's extras,
     # after the fresh venv's own site-packages so the freshly installed servedmodel is what imports.
     def run_py(code: str) -> str:
-        return subprocess.run(
-            [str(py), "-c", code], capture_output=True, text=True, env=env, check=True, timeout=60
-        ).stdout.strip()
+        res = run(str(py), "-c", code)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
 
     purelib = Path(run_py("import sysconfig; print(sysconfig.get_paths()['purelib'])"))
     requires = json.loads(
@@ -216,14 +220,7 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
     expose_dependencies(requires or [], extras, deps_dir)
     (purelib / "zz_image_deps.pth").write_text(f"{deps_dir}\n")
 
-    where = subprocess.run(
-        [str(py), "-c", "import servedmodel; print(servedmodel.__file__)"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=True,
-    ).stdout.strip()
+    where = run_py("import servedmodel; print(servedmodel.__file__)")
     assert Path(where).is_relative_to(purelib), f"servedmodel imported from {where}, not the fresh install"
 
     # Every module and template of the copied package made it into the wheel (compared with the copy,
@@ -241,63 +238,33 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
     }
     assert wanted <= installed, f"missing from the wheel: {sorted(wanted - installed)}"
 
-    check = subprocess.run(
-        [*pip, "check"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    check = run(*pip, "check")
     assert check.returncode == 0, f"unmet requirements:\n{check.stdout}{check.stderr}"
 
     # Every module the image runs imports; the operator image has none of the simulator's dependencies.
     runs = IMAGE_RUNS[image]
-    imported = subprocess.run(
-        [
-            str(py),
-            "-c",
-            "import importlib, pkgutil, sys, servedmodel\n"
-            f"skip, extra = {runs['skip']!r}, {runs['modules']!r}\n"
-            "names = [m.name for m in pkgutil.walk_packages(servedmodel.__path__, 'servedmodel.')]\n"
-            "for name in [n for n in names if not n.startswith(skip or ('-',))] + list(extra):\n"
-            "    importlib.import_module(name)\n",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
+    imported = run(
+        str(py),
+        "-c",
+        "import importlib, pkgutil, servedmodel\n"
+        f"skip, extra = {runs['skip']!r}, {runs['modules']!r}\n"
+        "names = [m.name for m in pkgutil.walk_packages(servedmodel.__path__, 'servedmodel.')]\n"
+        "for name in [n for n in names if not n.startswith(skip or ('-',))] + list(extra):\n"
+        "    importlib.import_module(name)\n",
     )
     assert imported.returncode == 0, f"{image} image: a module it runs does not import:\n{imported.stderr}"
     if image == "operator":
         for module in SIM_ONLY_MODULES:
-            res = subprocess.run(
-                [str(py), "-c", f"import {module}"], capture_output=True, env=env, check=False
-            )
+            res = run(str(py), "-c", f"import {module}")
             assert res.returncode != 0, f"the operator image has the simulator's {module}"
-        sim = subprocess.run(
-            [str(env_dir / "bin" / "servedmodel"), "sim", "--help"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=False,
-        )
+        sim = run(str(env_dir / "bin" / "servedmodel"), "sim", "--help")
         assert sim.returncode == 3, (sim.returncode, sim.stderr)
         assert "pip install 'servedmodel[sim]'" in sim.stderr
         assert "Traceback" not in sim.stderr
 
     exe = env_dir / "bin" / containerfile.entrypoint[0]
     assert exe.exists(), f"ENTRYPOINT {containerfile.entrypoint[0]} is not a console script of the install"
-    res = subprocess.run(
-        [str(exe), *containerfile.entrypoint[1:], "--help"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    res = run(str(exe), *containerfile.entrypoint[1:], "--help")
     assert res.returncode == 0, f"{containerfile.entrypoint} --help exited {res.returncode}: {res.stderr}"
     assert "usage:" in res.stdout
 
