@@ -267,3 +267,6 @@ def test_pod_template_carries_the_readiness_gate_only_when_asked() -> None:
         {"conditionType": READINESS_GATE_CONDITION}
     ]
     assert "readinessGates" not in template({})
+    assert "readinessGates" not in template(
+        {"readinessGate": True, "enabled": False}
+    )  # nothing would open it

@@ -161,7 +161,8 @@ class ProbeSpec(ApiModel):
             "inference.servedmodel.io/serving and the operator sets that pod condition from each pod's "
             "probe, so a pod that answers /health but fails a real chat completion leaves the Service's "
             "endpoints, and a new pod receives traffic only after a real generation succeeded. Pods then "
-            "wait for the operator to probe them (see docs/operations.md)."
+            "wait for the operator to probe them (see docs/operations.md). Not rendered while enabled is "
+            "false: nothing would open the gate."
         ),
     )
 

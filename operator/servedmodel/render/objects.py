@@ -266,8 +266,9 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         "containers": [container],
         "volumes": volumes,
     }
-    if spec.probe.readiness_gate:
-        # Ready only once the operator's probe of this very pod completed a real chat request.
+    if spec.probe.readiness_gate and spec.probe.enabled:
+        # Ready only once the operator's probe of this very pod completed a real chat request (with the
+        # probe off nothing would open the gate: new pods would never be Ready).
         pod_spec["readinessGates"] = [{"conditionType": READINESS_GATE_CONDITION}]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
