@@ -139,3 +139,26 @@ def test_missing_configmap_or_key_is_a_reason_and_keeps_the_pods(
     assert template_digest(cp, namespace, "late") == digest(QWEN_LIKE)
     assert pod_template_hashes(cp, namespace, "late") == hashes
     assert operator.alive()
+
+
+def test_unlabelled_configmap_rolls_at_the_next_reconcile(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    """An unlabelled ConfigMap is not watched, but read on every reconcile: its edit alone rolls
+    nothing; the ServedModel's next reconcile (here: an annotation, a ServedModel event) rolls the pods."""
+    cp = control_plane
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "plain"}, "data": {KEY: QWEN_LIKE}}
+    cp.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    apply(cp, namespace, served_model("plain", "plain"))
+    wait_for(
+        "phase Ready", lambda: sm(cp, namespace, "plain").get("status", {}).get("phase") == "Ready", WAIT_S
+    )
+    assert template_digest(cp, namespace, "plain") == digest(QWEN_LIKE)
+
+    body["data"] = {KEY: EDITED}
+    cp.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    # Nothing watches it: a ServedModel event (an annotation changes what the reconciler reads) brings
+    # the reconcile that reads the new content.
+    cp.kubectl("annotate", "servedmodel", "plain", "-n", namespace, "example.com/touched=1")
+    wait_for("the edited digest", lambda: template_digest(cp, namespace, "plain") == digest(EDITED), WAIT_S)
+    assert operator.alive()
