@@ -10,6 +10,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+# vLLM's own x86_64 CPU build of the same release (docker/Dockerfile.cpu), for resources.gpus: 0.
+VLLM_CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.33.0"
 SIMULATOR_IMAGE = "quay.io/servedmodel/simulator:v0.1.0"
 OPERATOR_IMAGE = "quay.io/servedmodel/operator:v0.1.0"
 FIELD_MANAGER = "servedmodel-operator"
@@ -25,6 +27,10 @@ class OperatorConfig(BaseSettings):
         default_factory=list, description="Namespaces to watch; empty means the whole cluster."
     )
     vllm_image: str = Field(default=VLLM_IMAGE, description="Default engine image for engine.kind=vllm.")
+    vllm_cpu_image: str = Field(
+        default=VLLM_CPU_IMAGE,
+        description="Default engine image for engine.kind=vllm with resources.gpus 0 (vLLM's CPU backend).",
+    )
     simulator_image: str = Field(
         default=SIMULATOR_IMAGE, description="Default engine image for engine.kind=simulator."
     )

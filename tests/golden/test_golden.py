@@ -44,6 +44,7 @@ def test_cases_cover_the_table() -> None:
     stems = {c.stem for c in CASES}
     assert {"qwen-7b-1gpu", "qwen-tp2", "cache-pvc", "external-endpoint", "simulator", "openshift"} <= stems
     assert {"autoscaling-hpa", "keda-openshift"} <= stems
+    assert {"qwen-0.5b-cpu", "qwen-0.5b-cpu-defaults"} <= stems
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.stem for c in CASES])

@@ -37,6 +37,8 @@ URL_PATTERN = r"^https?://[^\s/?#]+(:[0-9]+)?(/[^\s]*)?$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
+# vLLM's CPU backend keeps its KV cache in host memory: VLLM_CPU_KVCACHE_SPACE GiB (resources.gpus: 0).
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4
 # Env the operator derives from secret references; a literal value would put a secret in the pod spec.
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY")
 
@@ -147,6 +149,17 @@ class EngineSpec(ApiModel):
         gt=0,
         le=1,
         description="--gpu-memory-utilization: share of GPU memory vLLM may use (0 < x <= 1; vLLM: 0.92).",
+    )
+    cpu_kv_cache_space_gib: int | None = Field(
+        default=None,
+        alias="cpuKVCacheSpaceGiB",
+        ge=1,
+        le=4096,
+        description=(
+            "CPU serving (resources.gpus: 0) only: GiB of host memory for vLLM's KV cache "
+            f"(VLLM_CPU_KVCACHE_SPACE; default {DEFAULT_CPU_KV_CACHE_SPACE_GIB}). The memory request must "
+            "cover it plus the weights."
+        ),
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64, description="--tensor-parallel-size: GPUs one replica shards the model over."
@@ -269,7 +282,10 @@ class ResourcesSpec(ApiModel):
         default=1,
         ge=0,
         le=64,
-        description="GPUs per replica (a multiple of engine.tensorParallelSize); ignored by the simulator.",
+        description=(
+            "GPUs per replica (a multiple of engine.tensorParallelSize); 0 serves vLLM on CPU (vLLM's CPU "
+            "image, no GPU request); ignored by the simulator."
+        ),
     )
     gpu_resource_name: str = Field(
         default=DEFAULT_GPU_RESOURCE,
@@ -411,6 +427,7 @@ ENGINE_DEPLOYMENT_FIELDS = (
     "maxNumBatchedTokens",
     "enableChunkedPrefill",
     "gpuMemoryUtilization",
+    "cpuKVCacheSpaceGiB",
     "enablePrefixCaching",
     "dtype",
     "chatTemplate",
@@ -446,10 +463,17 @@ class ServedModelSpec(ApiModel):
                     ".resources.gpus",
                 ),
                 cel(
-                    "!has(self.resources) || self.resources.gpus >= 1 || "
-                    "(has(self.engine) && self.engine.kind == 'simulator')",
-                    "resources.gpus must be at least 1 for engine.kind vllm",
-                    ".resources.gpus",
+                    "!has(self.engine) || !has(self.engine.gpuMemoryUtilization) || "
+                    "!has(self.resources) || self.resources.gpus >= 1 || self.engine.kind != 'vllm'",
+                    "engine.gpuMemoryUtilization needs GPUs: with resources.gpus 0 vLLM serves on CPU "
+                    "(size its KV cache with engine.cpuKVCacheSpaceGiB)",
+                    ".engine.gpuMemoryUtilization",
+                ),
+                cel(
+                    "!has(self.engine) || !has(self.engine.cpuKVCacheSpaceGiB) || "
+                    "(has(self.resources) && self.resources.gpus == 0)",
+                    "engine.cpuKVCacheSpaceGiB applies to CPU serving only (resources.gpus: 0)",
+                    ".engine.cpuKVCacheSpaceGiB",
                 ),
                 cel(
                     _external_rule(),
@@ -580,8 +604,14 @@ class ServedModelSpec(ApiModel):
     def _cross_fields(self) -> ServedModelSpec:
         if self.resources.gpus % self.engine.tensor_parallel_size:
             raise ValueError("resources.gpus must be a multiple of engine.tensorParallelSize")
-        if self.resources.gpus < 1 and self.engine.kind == "vllm":
-            raise ValueError("resources.gpus must be at least 1 for engine.kind vllm")
+        eng = self.engine
+        if self.resources.gpus < 1 and eng.kind == "vllm" and eng.gpu_memory_utilization is not None:
+            raise ValueError(
+                "engine.gpuMemoryUtilization needs GPUs: with resources.gpus 0 vLLM serves on CPU "
+                "(size its KV cache with engine.cpuKVCacheSpaceGiB)"
+            )
+        if eng.cpu_kv_cache_space_gib is not None and self.resources.gpus != 0:
+            raise ValueError("engine.cpuKVCacheSpaceGiB applies to CPU serving only (resources.gpus: 0)")
         if self.revision is not None and self.model.startswith("pvc://"):
             raise ValueError("revision applies to Hugging Face models, not pvc:// models")
         if self.endpoint is not None and self.replicas != 1:
@@ -629,5 +659,9 @@ class ServedModelSpec(ApiModel):
 
 
 def _attr(alias: str) -> str:
-    """camelCase wire name → snake_case attribute."""
+    """camelCase wire name → snake_case attribute (explicit aliases such as cpuKVCacheSpaceGiB too)."""
+    for model in (ServedModelSpec, EngineSpec):
+        for name, info in model.model_fields.items():
+            if info.alias == alias:
+                return name
     return "".join("_" + c.lower() if c.isupper() else c for c in alias)

@@ -20,7 +20,8 @@ from typing import Any
 from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
 from servedmodel.api.crd import dump_yaml
 from servedmodel.api.probe import READINESS_GATE_CONDITION
-from servedmodel.config import SIMULATOR_IMAGE, VLLM_IMAGE, OperatorConfig
+from servedmodel.api.spec import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from servedmodel.config import SIMULATOR_IMAGE, VLLM_CPU_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
 from .autoscaling import autoscaler_objects
@@ -44,6 +45,7 @@ class RenderContext:
     """What rendering needs besides the CR: default images and the optional APIs discovered in the cluster."""
 
     vllm_image: str = VLLM_IMAGE
+    vllm_cpu_image: str = VLLM_CPU_IMAGE
     simulator_image: str = SIMULATOR_IMAGE
     has_route_api: bool = False
     has_service_monitor_api: bool = False
@@ -65,6 +67,7 @@ class RenderContext:
     ) -> RenderContext:
         return cls(
             vllm_image=config.vllm_image,
+            vllm_cpu_image=config.vllm_cpu_image,
             simulator_image=config.simulator_image,
             has_route_api=has_route_api,
             has_service_monitor_api=has_service_monitor_api,
@@ -98,6 +101,22 @@ def _secret_env(name: str, secret: str, key: str) -> Obj:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
+# CPU serving without requests given: one core for the engine, one for the API server, and memory for
+# the KV cache plus ~6 GiB (API server + EngineCore + Worker of a 0.5B model measured 6.9 GB with 1 GiB of
+# KV cache on vLLM-CPU 0.32; docs/vllm.md).
+CPU_SERVING_CPU_REQUEST = "2"
+CPU_SERVING_MEMORY_OVERHEAD_GIB = 6
+
+
+def cpu_serving(cr: ServedModel) -> bool:
+    """vLLM on CPU: engine.kind vllm with resources.gpus 0 (vLLM's CPU image, no GPU request)."""
+    return cr.spec.engine.kind == "vllm" and cr.spec.resources.gpus == 0
+
+
+def cpu_kv_cache_space_gib(cr: ServedModel) -> int:
+    return cr.spec.engine.cpu_kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB
+
+
 def engine_env(cr: ServedModel) -> list[Obj]:
     """Operator env (HOME and caches on writable volumes, secrets by reference), then spec.engine.env
     overriding by name; sorted by name."""
@@ -116,6 +135,9 @@ def engine_env(cr: ServedModel) -> list[Obj]:
     if spec.engine.api_key_secret_ref is not None:
         ref = spec.engine.api_key_secret_ref
         env["VLLM_API_KEY"] = _secret_env("VLLM_API_KEY", ref.name, ref.key)
+    if cpu_serving(cr):
+        space = str(cpu_kv_cache_space_gib(cr))
+        env["VLLM_CPU_KVCACHE_SPACE"] = {"name": "VLLM_CPU_KVCACHE_SPACE", "value": space}
     for var in spec.engine.env:
         entry: Obj = {"name": var.name}
         if var.value is not None:
@@ -176,6 +198,13 @@ def _resources(cr: ServedModel) -> Obj:
         # Extended resources: requests must equal limits; both set so nothing is left to defaulting.
         requests[res.gpu_resource_name] = str(res.gpus)
         limits[res.gpu_resource_name] = str(res.gpus)
+    if cpu_serving(cr):
+        # Never BestEffort: the KV cache lives in this memory. A limit alone makes the API server use
+        # it as the request, so a default is only added where neither is given.
+        if "cpu" not in requests and "cpu" not in limits:
+            requests["cpu"] = CPU_SERVING_CPU_REQUEST
+        if "memory" not in requests and "memory" not in limits:
+            requests["memory"] = f"{cpu_kv_cache_space_gib(cr) + CPU_SERVING_MEMORY_OVERHEAD_GIB}Gi"
     out: Obj = {}
     if limits:
         out["limits"] = dict(sorted(limits.items()))
@@ -242,7 +271,9 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
     spec = cr.spec
     eng = spec.engine
     kind = eng.kind
-    default_image = ctx.vllm_image if kind == "vllm" else ctx.simulator_image
+    default_image = ctx.simulator_image
+    if kind == "vllm":
+        default_image = ctx.vllm_cpu_image if cpu_serving(cr) else ctx.vllm_image
     volumes, mounts = _volumes(cr)
     container: Obj = {
         "name": CONTAINER_NAME,
