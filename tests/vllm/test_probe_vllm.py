@@ -115,8 +115,10 @@ async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLL
     assert status.usage.prompt_tokens + status.usage.completion_tokens == status.usage.total_tokens
     finished = out.timing.finish_reason
     assert d[f"vllm:request_success_total/{finished}"] == 1
-    # One token per chunk from real vLLM: the client saw every generated token as its own event.
-    assert len(out.timing.content_ns) == status.usage.completion_tokens
+    # One token per chunk from real vLLM: the client saw every generated token as its own event (token
+    # chunks: a token whose text the stop string's hold-back keeps back comes as {"content": ""}).
+    assert len(out.timing.token_ns) == status.usage.completion_tokens
+    assert out.timing.chunk_tokens == [1] * status.usage.completion_tokens
 
 
 async def test_probe_cycle_with_a_system_prompt_and_several_turns(vllm_qwen25: VLLMServer) -> None:
