@@ -87,14 +87,21 @@ TIMEOUT = ProbeFailure(
         (snap(100), snap(100, waiting=1), 20.0, None, "requests waiting while nothing runs for 20.0 s"),
         # generating: not stalled
         (snap(100, running=3), snap(130, running=3), 20.0, None, None),
-        # idle engine: nothing waits, nothing runs
-        (snap(100), snap(100), 20.0, None, None),
+        # a hung engine core reports nothing (gauges frozen at 0, 0) while the probe's request got no token
+        (snap(100), snap(100), 20.0, None, "the probe's request got no token for 20.0 s (FirstByteTimeout)"),
         # a short window says nothing (a door error in 50 ms) ...
         (snap(100, running=3), snap(100, running=3), 0.05, None, None),
         # ... but the counter flat since the previous cycle, 30 s ago, does
         (snap(100, running=3), snap(100, running=3), 0.05, Window(snap(100, running=3), 70.0), "for 30.0 s"),
     ],
-    ids=["flat-while-running", "waiting-nothing-runs", "generating", "idle", "short-window", "across-cycles"],
+    ids=[
+        "flat-while-running",
+        "waiting-nothing-runs",
+        "generating",
+        "frozen-gauges",
+        "short-window",
+        "across-cycles",
+    ],
 )
 def test_stall_verdict(
     before: MetricsSnapshot,
@@ -148,6 +155,13 @@ def results() -> list[PodResult]:
         "q-c", "http://127.0.0.1:3", outcome(snap(5), snap(5), 1.0, ProbeFailure(STREAM_CUT, "cut"))
     )
     return [ok_a, ok_b, bad]
+
+
+def test_an_idle_engine_that_answers_is_not_stalled() -> None:
+    """Nothing waits, nothing runs, the chat failed for another reason (a 500 at the door): no stall."""
+    failure = ProbeFailure(STREAM_CUT, "cut")
+    assert stall_verdict(outcome(snap(100), snap(100), 20.0, failure), 100.0, None) is None
+    assert stall_verdict(outcome(snap(100), snap(100), 20.0), 100.0, None) is None  # success: never
 
 
 def test_one_failing_replica_of_three_is_named_and_still_serving() -> None:

@@ -6,9 +6,10 @@ ProbeOutcome with that pod's own /metrics before and after. From those and the p
 
 - EngineStalled: the engine's generation counter (vllm:generation_tokens_total) did not move across a
   window of at least MIN_STALL_WINDOW_S while requests were running (a hung forward pass), or while
-  requests were waiting and none running (a scheduler that admits nothing). The window is the probe's own
-  (scrape before → scrape after the chat, so it is reported even when the chat times out) or, when that
-  was too short, the time since the pod's previous cycle.
+  requests were waiting and none running (a scheduler that admits nothing), or while the probe's own
+  request got no token in time (a hung engine core reports no gauges at all: vLLM's stay frozen).
+  The window is the probe's own (scrape before → scrape after the chat, so it is reported even when
+  the chat times out) or, when that was too short, the time since the pod's previous cycle.
 - KVCachePressure: KV cache usage at or above KV_PRESSURE_USAGE with vllm:num_preemptions rising since
   the previous cycle (or across the probe's window): the engine is recomputing requests it had to evict.
 
@@ -39,6 +40,8 @@ ENGINE_STALLED: Final = "EngineStalled"
 KV_CACHE_PRESSURE: Final = "KVCachePressure"
 REPLICAS_FAILING: Final = "ReplicasFailing"  # Serving True: some replicas serve, others fail
 MIN_STALL_WINDOW_S: Final = 1.0
+# The probe's own chat got no token in time: together with a flat generation counter, a stall.
+NO_TOKEN_REASONS: Final = frozenset({er.FIRST_BYTE_TIMEOUT, er.STREAM_STALLED, er.PROBE_TIMEOUT})
 KV_PRESSURE_USAGE: Final = 0.9
 # Failures on the operator's side (it could not read a Secret): they say nothing about the pod, so its
 # readiness gate keeps what it had.
@@ -125,6 +128,16 @@ def stall_verdict(out: ProbeOutcome, now: float, previous: Window | None) -> str
             return (
                 f"requests waiting while nothing runs for {span:.1f} s, generation counter flat at "
                 f"{gen:.0f} tokens ({_gauges_text(after)})"
+            )
+    # The probe's own request is one that waits: a hung engine core (vLLM #39863) stops reporting, so its
+    # gauges stay as they were (often 0, 0) while the API server keeps answering /health.
+    f = out.failure
+    if f is not None and f.reason in NO_TOKEN_REASONS and windows:
+        start, span = windows[0]
+        if span >= MIN_STALL_WINDOW_S and start.counters.get("generation_tokens") == gen:
+            return (
+                f"the probe's request got no token for {span:.1f} s ({f.reason}) and the generation counter "
+                f"stood still at {gen:.0f} tokens; the engine's gauges: {_gauges_text(after)}"
             )
     return None
 
