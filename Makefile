@@ -68,9 +68,11 @@ test: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip
 test-unit: install
 	$(BIN)/pytest -q tests/unit tests/golden
 
-## Local control plane + operator + simulated engine + a sample ServedModel; `make down` stops it.
-dev: install control-plane
-	hack/dev.sh up
+## Local control plane + operator + an engine + a sample ServedModel; `make down` stops it.
+## ENGINE=simulator (default, up in a second) or ENGINE=vllm (real vLLM on CPU, 30-120 s to start).
+ENGINE ?= simulator
+dev: install control-plane $(if $(filter vllm,$(ENGINE)),vllm)
+	ENGINE=$(ENGINE) hack/dev.sh up
 
 down:
 	hack/dev.sh down

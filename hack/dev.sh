@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # `make dev` / `make down`: the operator's main job on one machine with no cluster and no GPU.
-#   up:   local control plane (hack/controlplane.py) + the ServedModel CRD + a simulated engine +
-#         the operator (probes sent to the simulator) + a sample ServedModel; then shows
-#         `kubectl get servedmodels -w` for DEV_WATCH_S seconds (default 60; Ctrl-C ends the watch only).
+#   up:   local control plane (hack/controlplane.py) + the ServedModel CRD + an engine + the operator
+#         (probes sent to that engine) + a sample ServedModel; then shows `kubectl get servedmodels -w`
+#         for DEV_WATCH_S seconds (default 60; Ctrl-C ends the watch only).
+#         ENGINE=simulator (default): `servedmodel sim`, up in a second.
+#         ENGINE=vllm: real vLLM (vLLM's CPU engine from hack/vllm_env.py, `make vllm`) serving a tiny
+#         Qwen2.5 with dummy weights; 30-120 s to start. The sample is then a vLLM ServedModel whose pod
+#         kwok fakes, and the probe walks the real engine.
 #   down: stops everything `up` started, by the pids recorded in .dev/.
 set -Eeuo pipefail
 
@@ -14,7 +18,14 @@ LOGS="${STATE}/logs"
 VENV="${VENV:-${ROOT}/.venv}"
 PY="${VENV}/bin/python"
 SM="${VENV}/bin/servedmodel"
-SAMPLE="${DEV_SAMPLE:-${ROOT}/manifests/samples/simulator.yaml}"
+ENGINE="${ENGINE:-simulator}"
+case "${ENGINE}" in
+  simulator) DEFAULT_SAMPLE="${ROOT}/manifests/samples/simulator.yaml" ;;
+  vllm) DEFAULT_SAMPLE="${ROOT}/manifests/samples/qwen2.5-0.5b-instruct.yaml" ;;
+  *) echo "ENGINE must be simulator or vllm, not ${ENGINE}" >&2; exit 2 ;;
+esac
+SAMPLE="${DEV_SAMPLE:-${DEFAULT_SAMPLE}}"
+VLLM_DIR="${STATE}/vllm"
 
 log() { printf '\033[1m[dev]\033[0m %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -40,6 +51,11 @@ stop_recorded() {
 
 down() {
   stop_recorded
+  # vLLM runs in a process group of its own (API server, EngineCore, Worker): stopped by that group.
+  if [[ -f "${VLLM_DIR}/vllm.json" ]]; then
+    log "stopping vLLM"
+    "${PY}" "${ROOT}/hack/vllm_server.py" down --dir "${VLLM_DIR}"
+  fi
   if [[ -f "${CP_DIR}/pids" ]]; then
     "${PY}" "${ROOT}/hack/controlplane.py" down --dir "${CP_DIR}"
   fi
@@ -76,7 +92,7 @@ up() {
   trap 'log "failed at line ${LINENO}; stopping what was started"; trap - ERR; down' ERR
 
   # Anything from a previous `make dev` is stopped first, so `make dev` can be rerun at will.
-  if [[ -f "${PIDS}" || -f "${CP_DIR}/pids" ]]; then
+  if [[ -f "${PIDS}" || -f "${CP_DIR}/pids" || -f "${VLLM_DIR}/vllm.json" ]]; then
     log "stopping the previous dev session"
     down
   fi
@@ -109,19 +125,32 @@ print(sm["metadata"]["name"], spec["model"], spec.get("servedModelName") or spec
   else
     name="qwen" model="Qwen/Qwen2.5-7B-Instruct" served_name="qwen"
   fi
-  local sim_port metrics_port health_port
-  sim_port="$(free_port)"
+  local engine_port metrics_port health_port engine_url
   metrics_port="$(free_port)"
   health_port="$(free_port)"
-  log "starting the simulated engine on 127.0.0.1:${sim_port} (${model} as ${served_name})"
-  setsid "${SM}" sim "${model}" --served-model-name "${served_name}" --host 127.0.0.1 --port "${sim_port}" \
-    </dev/null >"${LOGS}/sim.log" 2>&1 &
-  echo "simulator $!" >>"${PIDS}"
-  wait_http "http://127.0.0.1:${sim_port}/health" 60 simulator "$!" ||
-    { tail -20 "${LOGS}/sim.log" >&2; down; die "the simulator did not start (log: ${LOGS}/sim.log)"; }
+  if [[ "${ENGINE}" == vllm ]]; then
+    "${PY}" "${ROOT}/hack/vllm_env.py" path >/dev/null ||
+      { down; die "vLLM-CPU is not built: run \`make vllm\` (or \`make dev ENGINE=vllm\`, which builds it)"; }
+    log "starting real vLLM (tiny Qwen2.5, dummy weights) as ${served_name}: 30-120 s"
+    local out
+    out="$("${PY}" "${ROOT}/hack/vllm_server.py" up --dir "${VLLM_DIR}" --family qwen2.5 \
+      --served-model-name "${served_name}" --max-model-len 4096)" ||
+      { tail -30 "${VLLM_DIR}/vllm.log" >&2; down; die "vLLM did not start (log: ${VLLM_DIR}/vllm.log)"; }
+    engine_port="$("${PY}" -c 'import json,sys; print(json.loads(sys.argv[1])["port"])' "${out}")"
+    log "vLLM answers on 127.0.0.1:${engine_port} (${out})"
+  else
+    engine_port="$(free_port)"
+    log "starting the simulated engine on 127.0.0.1:${engine_port} (${model} as ${served_name})"
+    setsid "${SM}" sim "${model}" --served-model-name "${served_name}" --host 127.0.0.1 --port "${engine_port}" \
+      </dev/null >"${LOGS}/sim.log" 2>&1 &
+    echo "simulator $!" >>"${PIDS}"
+    wait_http "http://127.0.0.1:${engine_port}/health" 60 simulator "$!" ||
+      { tail -20 "${LOGS}/sim.log" >&2; down; die "the simulator did not start (log: ${LOGS}/sim.log)"; }
+  fi
+  engine_url="http://127.0.0.1:${engine_port}"
 
-  log "starting the operator (probes go to the simulator; metrics :${metrics_port}, health :${health_port})"
-  SERVEDMODEL_ENDPOINT_OVERRIDE="http://127.0.0.1:${sim_port}" \
+  log "starting the operator (probes go to ${engine_url}; metrics :${metrics_port}, health :${health_port})"
+  SERVEDMODEL_ENDPOINT_OVERRIDE="${engine_url}" \
     SERVEDMODEL_METRICS_PORT="${metrics_port}" SERVEDMODEL_HEALTH_PORT="${health_port}" \
     setsid "${SM}" run --all-namespaces --bind-address 127.0.0.1 </dev/null >"${LOGS}/operator.log" 2>&1 &
   echo "operator $!" >>"${PIDS}"
@@ -159,11 +188,11 @@ EOF
   trap - INT
   cat >&2 <<EOF
 
-Running: control plane, simulator (http://127.0.0.1:${sim_port}/v1), operator.
+Running: control plane, ${ENGINE} engine (${engine_url}/v1), operator.
   source ${STATE}/env       # KUBECONFIG and kubectl on PATH
   kubectl get sm -A         # printer columns: phase latencies (ms) from the operator's probes
   kubectl describe sm ${name}
-  logs: ${LOGS}/{operator,sim}.log and ${CP_DIR}/logs/
+  logs: ${LOGS}/operator.log, ${LOGS}/sim.log or ${VLLM_DIR}/vllm.log, ${CP_DIR}/logs/
   make down                 # stops everything
 EOF
 }

@@ -179,6 +179,8 @@ class VLLMServer:
                 "VLLM_CACHE_ROOT": str(cache / "vllm"),
                 "XDG_CACHE_HOME": str(cache),
                 "VLLM_NO_USAGE_STATS": "1",
+                # The engine's message queue binds the host's address unless told: keep it on loopback.
+                "VLLM_HOST_IP": "127.0.0.1",
                 "DO_NOT_TRACK": "1",
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 # One engine thread: the other core stays with the API server (and the test).

@@ -55,6 +55,7 @@ def _load_cluster_conftest() -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -96,6 +97,29 @@ def _require_vllm() -> None:
         if REQUIRED:
             pytest.fail(f"SERVEDMODEL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+# Rows of the fault table (tests/vllm/test_faults_vllm.py), printed at the end of the run: fault, what
+# the status said, seconds from the fault to that status, what cleared it, seconds to Serving=True again.
+FAULT_ROWS: list[tuple[str, str, float, str, float | None]] = []
+
+
+@pytest.fixture(scope="session")
+def fault_table() -> list[tuple[str, str, float, str, float | None]]:
+    return FAULT_ROWS
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FAULT_ROWS:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("real vLLM faults (probe interval 5 s, timeout 20 s, firstByteTimeout 5 s):")
+    write("| fault | status seen | detected after | cleared by | Serving=True again after |")
+    write("|---|---|---|---|---|")
+    for fault, seen, detect_s, cleared_by, recover_s in FAULT_ROWS:
+        again = f"{recover_s:.1f} s" if recover_s is not None else "-"
+        write(f"| {fault} | {seen} | {detect_s:.1f} s | {cleared_by} | {again} |")
 
 
 @pytest.hookimpl(hookwrapper=True)
