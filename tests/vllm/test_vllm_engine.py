@@ -17,6 +17,9 @@ import vllm_models
 from servedmodel.sim.tokenizer import QwenTokenizer
 from vllm_server import VLLMServer
 
+# A vLLM start is 30-120 s on this shared machine; the first test of a server pays for it.
+pytestmark = pytest.mark.timeout(900)
+
 REFERENCE = [{"role": "user", "content": "Say hello in five words."}]
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SAMPLES = [
