@@ -42,6 +42,8 @@ from pydantic import ValidationError
 
 from . import scaling
 from .api import API_GROUP_VERSION, PLURAL
+from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, SERVING
+from .api.conditions import find as find_condition
 from .api.names import selector_labels, selector_string, service_name
 from .api.probe import ProbeSpec, ProbeStatus
 from .api.spec import ServedModelSpec
@@ -61,8 +63,6 @@ from .probe.endpoints import (
 from .probe.errors import ProbeFailure
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
-    ENGINE_STALLED,
-    KV_CACHE_PRESSURE,
     PodResult,
     Window,
     aggregate,
@@ -360,10 +360,8 @@ def status_patch(
 
 def serving_of(conditions: Any) -> tuple[str, str] | None:
     """(status, reason) of a Serving condition in a conditions list."""
-    for c in conditions or []:
-        if isinstance(c, Mapping) and c.get("type") == "Serving":
-            return str(c.get("status")), str(c.get("reason"))
-    return None
+    serving = find_condition(conditions, SERVING)
+    return None if serving is None else (str(serving.get("status")), str(serving.get("reason")))
 
 
 def first_due(

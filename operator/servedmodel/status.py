@@ -392,10 +392,6 @@ class InvalidSpec:
 Mode = Managed | ApplyFailed | External | InvalidSpec
 
 
-# Serving=True with this reason: some replicas serve, others fail their own probe (probe/replicas.py).
-REPLICAS_FAILING: Final = "ReplicasFailing"
-
-
 def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Obj | None) -> Phase:
     """Ready by Kubernetes' account, yet a real chat request fails (on every replica: Serving=False, or
     on some: reason ReplicasFailing): what users care about. ReplicasFailing also from Progressing: with
@@ -406,7 +402,7 @@ def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Obj | None) ->
     reason = str(serving.get("reason") or "ProbeFailed")
     if serving.get("status") == "False" and phase == "Ready":  # starting: the Deployment's story stands
         conds.degraded = Verdict("True", reason, f"Serving=False: {serving.get('message') or reason}")
-    elif serving.get("status") == "True" and reason == REPLICAS_FAILING:
+    elif serving.get("status") == "True" and reason == conditions.REPLICAS_FAILING:
         conds.degraded = Verdict("True", reason, str(serving.get("message") or reason))
     else:
         return phase

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 
 from servedmodel.api import ServedModel
+from servedmodel.api.conditions import ENGINE_STALLED, REPLICAS_FAILING
 from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
 from servedmodel.probe.errors import FIRST_BYTE_TIMEOUT, SECRET_UNAVAILABLE, STREAM_CUT, ProbeFailure
 from servedmodel.probe.metrics import MetricsSnapshot
 from servedmodel.probe.replicas import (
-    ENGINE_STALLED,
-    REPLICAS_FAILING,
     PodResult,
     Window,
     aggregate,

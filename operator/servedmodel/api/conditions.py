@@ -8,7 +8,8 @@ Who writes which condition (server-side apply, `status.conditions` is a list-map
 field manager owns its own entries; see docs/architecture-reconcile.md):
 
 - the reconciler (field manager `servedmodel-operator`): Ready, Progressing, Degraded, InvalidSpec;
-- the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet.
+- the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet,
+  EngineStalled, KVCachePressure.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from .base import ConditionStatus
 
 __all__ = [
     "DEGRADED",
+    "ENGINE_STALLED",
     "INVALID_SPEC",
+    "KV_CACHE_PRESSURE",
     "LATENCY_SLO_MET",
     "PROBE_CONDITIONS",
     "PROGRESSING",
     "READY",
     "RECONCILER_CONDITIONS",
+    "REPLICAS_FAILING",
     "SERVING",
     "TEMPLATE_OK",
     "ConditionStatus",
@@ -40,9 +44,14 @@ INVALID_SPEC: Final = "InvalidSpec"
 SERVING: Final = "Serving"
 TEMPLATE_OK: Final = "TemplateOK"
 LATENCY_SLO_MET: Final = "LatencySLOMet"
+ENGINE_STALLED: Final = "EngineStalled"
+KV_CACHE_PRESSURE: Final = "KVCachePressure"
+# Serving=True with this reason: some replicas serve, others fail their own probe (probe/replicas.py);
+# the reconciler makes it Degraded.
+REPLICAS_FAILING: Final = "ReplicasFailing"
 
 RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
-PROBE_CONDITIONS: Final = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET)
+PROBE_CONDITIONS: Final = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET, ENGINE_STALLED, KV_CACHE_PRESSURE)
 
 
 def find(conditions: object, type_: str) -> Mapping[str, Any] | None:

@@ -26,9 +26,17 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from servedmodel.api.base import Condition
+from servedmodel.api.conditions import (
+    ENGINE_STALLED,
+    KV_CACHE_PRESSURE,
+    REPLICAS_FAILING,
+    ConditionStatus,
+    find,
+    transition,
+)
 from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus
 
 from . import errors as er
@@ -36,9 +44,6 @@ from .client import ProbeOutcome
 from .metrics import MetricsSnapshot, combine, delta
 from .report import rfc3339
 
-ENGINE_STALLED: Final = "EngineStalled"
-KV_CACHE_PRESSURE: Final = "KVCachePressure"
-REPLICAS_FAILING: Final = "ReplicasFailing"  # Serving True: some replicas serve, others fail
 MIN_STALL_WINDOW_S: Final = 1.0
 # The probe's own chat got no token in time: together with a flat generation counter, a stall.
 NO_TOKEN_REASONS: Final = frozenset({er.FIRST_BYTE_TIMEOUT, er.STREAM_STALLED, er.PROBE_TIMEOUT})
@@ -46,8 +51,6 @@ KV_PRESSURE_USAGE: Final = 0.9
 # Failures on the operator's side (it could not read a Secret): they say nothing about the pod, so its
 # readiness gate keeps what it had.
 OPERATOR_SIDE: Final = frozenset({er.SECRET_UNAVAILABLE})
-
-ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 @dataclass(frozen=True)
@@ -275,17 +278,9 @@ def _condition(
     generation: int | None,
     now: datetime,
 ) -> Condition:
-    prev = next((c for c in existing if isinstance(c, Mapping) and c.get("type") == ctype), None)
-    ltt = rfc3339(now, "seconds")
-    if prev is not None and prev.get("status") == cstatus and prev.get("lastTransitionTime"):
-        ltt = str(prev["lastTransitionTime"])
-    return Condition(
-        type=ctype,
-        status=cstatus,
-        reason=reason,
-        message=message[:1000],
-        observed_generation=generation,
-        last_transition_time=ltt,
+    stamp = rfc3339(now, "seconds")
+    return Condition.model_validate(
+        transition(list(existing), ctype, cstatus, reason, message[:1000], generation=generation, now=stamp)
     )
 
 
@@ -316,22 +311,21 @@ def gate_condition(r: PodResult, pod: Mapping[str, Any], now: datetime) -> dict[
     """The readiness-gate pod condition to write for this pod, None when what it has is still right."""
     if not r.serving and r.reason in OPERATOR_SIDE:
         return None
-    status = "True" if r.serving else "False"
+    status: ConditionStatus = "True" if r.serving else "False"
     reason = "ChatCompletionSucceeded" if r.serving else r.reason
     conds = (pod.get("status") or {}).get("conditions") or []
-    prev = next(
-        (c for c in conds if isinstance(c, Mapping) and c.get("type") == READINESS_GATE_CONDITION), None
-    )
+    prev = find(conds, READINESS_GATE_CONDITION)
     if prev is not None and prev.get("status") == status and prev.get("reason") == reason:
         return None
-    ltt = rfc3339(now, "seconds")
-    if prev is not None and prev.get("status") == status and prev.get("lastTransitionTime"):
-        ltt = str(prev["lastTransitionTime"])
-    return {
-        "type": READINESS_GATE_CONDITION,
-        "status": status,
-        "reason": reason,
-        "message": (r.message or reason)[:500],
-        "lastProbeTime": rfc3339(now, "seconds"),
-        "lastTransitionTime": ltt,
-    }
+    stamp = rfc3339(now, "seconds")
+    # A PodCondition: no observedGeneration, and a lastProbeTime.
+    condition = transition(
+        conds,
+        READINESS_GATE_CONDITION,
+        status,
+        reason,
+        (r.message or reason)[:500],
+        generation=None,
+        now=stamp,
+    )
+    return {**condition, "lastProbeTime": stamp}
