@@ -297,6 +297,87 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
         prom.stop()
 
 
+def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+) -> None:
+    """The probe TTFT target end to end: the operator's gauge → Prometheus (honor_labels, as the operator's
+    ServiceMonitor) → prometheus-adapter's Object metric on the ServedModel → the HPA controller."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    if not adapter_binary().is_file():
+        pytest.skip(f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`")
+    cp = control_plane
+    name = "qwen-ttft"
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+        pods = EnginePods(cp, namespace, names.selector_string(name).replace(",", "%2C"), [sim])
+        prom = Prometheus(pods.targets_file, operator_metrics=f"127.0.0.1:{op.metrics_port}")
+        adapter: Adapter | None = None
+        try:
+            prom.wait_ready()
+            adapter = Adapter(cp, prom.base_url)
+            adapter.register()
+            wait_for("custom.metrics.k8s.io Available", adapter.available, timeout=180)
+            # A target far above what the simulator's TTFT will be: the HPA keeps minReplicas.
+            auto = {"minReplicas": 1, "maxReplicas": 2, "targets": {"probeTtftP95Ms": 60000}}
+            apply(
+                cp,
+                namespace,
+                served_model(name, servedModelName="qwen", probe={"interval": 5}, autoscaling=auto),
+            )
+            obj_path = f"/namespaces/{namespace}/servedmodels.inference.servedmodel.io/{name}"
+            path = f"{obj_path}/servedmodel_probe_ttft_p95_seconds"
+
+            def served() -> Any:
+                got = adapter.raw(path)  # type: ignore[union-attr]
+                items = got.get("items") or []  # the adapter answers a list, also for one named object
+                return items[0] if items and items[0].get("value") else None
+
+            def why() -> str:
+                series = prom.query("servedmodel_probe_ttft_p95_seconds")
+                gauge = [x for x in op.metrics().splitlines() if x.startswith("servedmodel_probe_ttft_p95")]
+                return f"prometheus: {series}\noperator: {gauge}\nadapter: {adapter.raw(path)}"  # type: ignore[union-attr]
+
+            metric = cluster_support.wait_for(
+                "the adapter serving the probe's TTFT p95 for the ServedModel",
+                served,
+                180,
+                interval=0.5,
+                detail=why,
+            )
+            assert metric["describedObject"]["kind"] == "ServedModel"
+            window = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {})["probe"]["window"]
+            assert window["ttftP95Ms"] > 0
+
+            def hpa_uses_it() -> Any:
+                auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
+                    "autoscaling"
+                ) or {}
+                return auto if auto.get("reason") == "ValidMetricFound" else None
+
+            auto_status = wait_for("the HPA computing replicas from the object metric", hpa_uses_it)
+            assert "servedmodel_probe_ttft_p95_seconds" in auto_status["message"]
+            assert auto_status["desiredReplicas"] == 1
+        finally:
+            pods.stop()
+            if adapter is not None:
+                adapter.stop()
+            prom.stop()
+            cp.kubectl(
+                "delete",
+                "servedmodels",
+                "--all",
+                "-n",
+                namespace,
+                "--wait=true",
+                "--timeout=30s",
+                check=False,
+            )
+
+
 @pytest.fixture
 def keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
     """KEDA's ScaledObject and TriggerAuthentication CRDs (github.com/kedacore/keda/v2 config/crd), removed
