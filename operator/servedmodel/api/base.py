@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
@@ -12,6 +12,9 @@ KIND = "ServedModel"
 PLURAL = "servedmodels"
 SINGULAR = "servedmodel"
 SHORT_NAMES = ["sm"]
+
+# A Kubernetes object as JSON: what the API server returns, the watch-fed cache holds and render builds.
+Obj = dict[str, Any]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:

@@ -13,16 +13,15 @@ Both target the engine Deployment, whose spec.replicas the operator then leaves 
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
-from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel
-from servedmodel.api import names as n
+from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
 from servedmodel.api.autoscaling import AutoscalingTargets, ServedModelAutoscaling
+from servedmodel.api.base import Obj
 from servedmodel.api.probe import PrometheusSource
 
 from .errors import RenderError
-
-Obj = dict[str, Any]
+from .meta import child_metadata
 
 KEDA_API: Final = "keda.sh/v1alpha1"
 HPA_API: Final = "autoscaling/v2"
@@ -75,27 +74,8 @@ def _label_value(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _meta(cr: ServedModel, name: str) -> Obj:
-    meta: Obj = {"name": name}
-    if cr.metadata.namespace:
-        meta["namespace"] = cr.metadata.namespace
-    meta["labels"] = n.standard_labels(cr.name, cr.spec.engine.kind)
-    if cr.metadata.uid:
-        meta["ownerReferences"] = [
-            {
-                "apiVersion": API_GROUP_VERSION,
-                "kind": KIND,
-                "name": cr.name,
-                "uid": cr.metadata.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
-    return meta
-
-
 def _target_ref(cr: ServedModel) -> Obj:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": n.deployment_name(cr.name)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.deployment_name(cr.name)}
 
 
 def _behavior(auto: ServedModelAutoscaling) -> Obj | None:
@@ -156,7 +136,7 @@ def horizontal_pod_autoscaler(cr: ServedModel) -> Obj:
     return {
         "apiVersion": HPA_API,
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(cr, hpa_name(cr.name)),
+        "metadata": child_metadata(cr, hpa_name(cr.name)),
         "spec": spec,
     }
 
@@ -266,7 +246,7 @@ def scaled_object(cr: ServedModel, prom: PrometheusSource) -> Obj:
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",
-        "metadata": _meta(cr, scaled_object_name(cr.name)),
+        "metadata": child_metadata(cr, scaled_object_name(cr.name)),
         "spec": spec,
     }
 
@@ -279,7 +259,7 @@ def trigger_authentication(cr: ServedModel, prom: PrometheusSource) -> Obj | Non
     return {
         "apiVersion": KEDA_API,
         "kind": "TriggerAuthentication",
-        "metadata": _meta(cr, trigger_auth_name(cr.name)),
+        "metadata": child_metadata(cr, trigger_auth_name(cr.name)),
         "spec": {"secretTargetRef": [{"parameter": "bearerToken", "name": ref.name, "key": ref.key}]},
     }
 

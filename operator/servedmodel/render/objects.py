@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
+from servedmodel.api import ServedModel, names
+from servedmodel.api.base import Obj
 from servedmodel.api.crd import dump_yaml
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.api.spec import DEFAULT_CPU_KV_CACHE_SPACE_GIB
@@ -27,8 +27,7 @@ from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_arg
 from .autoscaling import autoscaler_objects
 from .chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION
 from .errors import RenderError
-
-Obj = dict[str, Any]
+from .meta import child_metadata
 
 CONTAINER_NAME = "engine"
 CACHE_MOUNT = "/cache"
@@ -74,27 +73,6 @@ class RenderContext:
             has_keda_api=has_keda_api,
             chat_template_digest=chat_template_digest,
         )
-
-
-def _meta(cr: ServedModel, name: str, annotations: dict[str, str] | None = None) -> Obj:
-    meta: Obj = {"name": name}
-    if cr.metadata.namespace:
-        meta["namespace"] = cr.metadata.namespace
-    meta["labels"] = names.standard_labels(cr.name, cr.spec.engine.kind)
-    if annotations:
-        meta["annotations"] = annotations
-    if cr.metadata.uid:
-        meta["ownerReferences"] = [
-            {
-                "apiVersion": API_GROUP_VERSION,
-                "kind": KIND,
-                "name": cr.name,
-                "uid": cr.metadata.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
-    return meta
 
 
 def _secret_env(name: str, secret: str, key: str) -> Obj:
@@ -317,7 +295,7 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(cr, names.deployment_name(cr.name)),
+        "metadata": child_metadata(cr, names.deployment_name(cr.name)),
         "spec": {
             **replicas,
             "selector": {"matchLabels": names.selector_labels(cr.name)},
@@ -335,7 +313,7 @@ def service(cr: ServedModel) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cr, names.service_name(cr.name)),
+        "metadata": child_metadata(cr, names.service_name(cr.name)),
         "spec": {
             "type": "ClusterIP",
             "selector": names.selector_labels(cr.name),
@@ -366,7 +344,7 @@ def cache_claim(cr: ServedModel) -> Obj | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(cr, names.cache_claim_name(cr.name)),
+        "metadata": child_metadata(cr, names.cache_claim_name(cr.name)),
         "spec": spec,
     }
 
@@ -384,7 +362,7 @@ def route(cr: ServedModel) -> Obj:
     return {
         "apiVersion": "route.openshift.io/v1",
         "kind": "Route",
-        "metadata": _meta(
+        "metadata": child_metadata(
             cr, names.route_name(cr.name), {"haproxy.router.openshift.io/timeout": ROUTE_TIMEOUT}
         ),
         "spec": spec,
@@ -395,7 +373,7 @@ def service_monitor(cr: ServedModel) -> Obj:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(cr, names.service_monitor_name(cr.name)),
+        "metadata": child_metadata(cr, names.service_monitor_name(cr.name)),
         "spec": {
             "selector": {"matchLabels": names.selector_labels(cr.name)},
             "endpoints": [
