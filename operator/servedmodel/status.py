@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from .api import Phase, conditions, names
+from .api.base import Obj
 from .api.conditions import ConditionStatus
-
-Obj = Mapping[str, Any]
 
 # Status fields the reconciler's field manager owns (the probe owns status.probe and its own conditions).
 RECONCILER_FIELDS: Final = (
@@ -352,7 +351,7 @@ class Managed:
 
     observed: Observed
     served_model_name: str
-    serving: Obj | None = None
+    serving: Mapping[str, Any] | None = None
     # status.autoscaling as servedmodel.scaling computed it from the HPA (spec.autoscaling set), else None.
     autoscaling: Obj | None = None
     # Something the engine is configured with that the operator could not find (the chat template
@@ -377,7 +376,7 @@ class External:
 
     endpoint: str
     served_model_name: str
-    serving: Obj | None = None
+    serving: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -392,7 +391,7 @@ class InvalidSpec:
 Mode = Managed | ApplyFailed | External | InvalidSpec
 
 
-def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Obj | None) -> Phase:
+def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Mapping[str, Any] | None) -> Phase:
     """Ready by Kubernetes' account, yet a real chat request fails (on every replica: Serving=False, or
     on some: reason ReplicasFailing): what users care about. ReplicasFailing also from Progressing: with
     the readiness gate a failing replica is NotReady, which the Deployment reports as an unfinished
