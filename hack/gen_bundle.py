@@ -137,6 +137,36 @@ SPEC_DESCRIPTORS: list[tuple[str, str, str, list[str]]] = [
     ),
     ("probe.interval", "Probe interval (s)", "Seconds between probe cycles.", [UI + "number"]),
     (
+        "autoscaling.minReplicas",
+        "Autoscaling: min replicas",
+        "Fewest replicas the autoscaler (KEDA if installed, else an HPA) keeps.",
+        [UI + "number"],
+    ),
+    (
+        "autoscaling.maxReplicas",
+        "Autoscaling: max replicas",
+        "Most replicas the autoscaler runs.",
+        [UI + "number"],
+    ),
+    (
+        "autoscaling.targets.waitingRequestsPerReplica",
+        "Target: waiting requests per replica",
+        "Scale on vLLM's queue (vllm:num_requests_waiting, averaged over the replicas).",
+        [UI + "number"],
+    ),
+    (
+        "autoscaling.targets.probeTtftP95Ms",
+        "Target: probe TTFT p95 (ms)",
+        "Scale on the probe's TTFT p95 over its rolling window.",
+        [UI + "number", ADVANCED],
+    ),
+    (
+        "autoscaling.scaleToZero",
+        "Scale to zero",
+        "KEDA only: no replicas while every trigger is idle.",
+        [UI + "booleanSwitch", ADVANCED],
+    ),
+    (
         "probe.slo.ttftMs",
         "TTFT objective (ms)",
         "p95 TTFT objective; LatencySLOMet turns False above it.",
@@ -191,6 +221,15 @@ STATUS_DESCRIPTORS: list[tuple[str, str, str, list[str]]] = [
     ("probe.scheduler.kvCacheUsage", "KV cache usage", "KV cache usage (0..1) at probe time.", [UI + "text"]),
     ("probe.window.ttftP95Ms", "TTFT p95 (ms)", "p95 of TTFT over the recent probes.", [UI + "text"]),
     ("probe.window.tpotP95Ms", "TPOT p95 (ms)", "p95 of TPOT over the recent probes.", [UI + "text"]),
+    ("autoscaling.autoscaler", "Autoscaler", "HorizontalPodAutoscaler or KEDA.", [UI + "text"]),
+    ("autoscaling.desiredReplicas", "Desired replicas", "Replicas the autoscaler asks for.", [UI + "text"]),
+    ("autoscaling.currentReplicas", "Current replicas", "Replicas the autoscaler sees.", [UI + "text"]),
+    (
+        "autoscaling.reason",
+        "Autoscaling reason",
+        "The autoscaler's telling condition (ValidMetricFound, FailedGetPodsMetric, ScaledToZero, ...).",
+        ["urn:alm:descriptor:io.kubernetes.phase:reason"],
+    ),
 ]
 
 DESCRIPTION = """\
@@ -367,6 +406,9 @@ def csv(crd: dict[str, Any]) -> dict[str, Any]:
                             {"kind": "PersistentVolumeClaim", "name": "", "version": "v1"},
                             {"kind": "Route", "name": "", "version": "v1"},
                             {"kind": "ServiceMonitor", "name": "", "version": "v1"},
+                            {"kind": "HorizontalPodAutoscaler", "name": "", "version": "v2"},
+                            {"kind": "ScaledObject", "name": "", "version": "v1alpha1"},
+                            {"kind": "TriggerAuthentication", "name": "", "version": "v1alpha1"},
                         ],
                         "specDescriptors": descriptors(SPEC_DESCRIPTORS),
                         "statusDescriptors": descriptors(STATUS_DESCRIPTORS),
