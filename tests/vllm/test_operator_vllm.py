@@ -1,0 +1,81 @@
+"""The operator end to end with real vLLM behind its probe.
+
+A vLLM ServedModel on the local control plane (kwok's fake GPU node runs the Deployment's pod); the
+operator is started with SERVEDMODEL_ENDPOINT_OVERRIDE pointing that ServedModel at the session's real
+vLLM on 127.0.0.1, so the probe walks vLLM's own API server, engine and /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from cluster_support import apply, condition, served_model, wait_for
+
+import controlplane
+from vllm_server import VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.cluster, pytest.mark.timeout(900)]
+OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
+CHECKS = ("template", "limits", "stop", "usage")
+
+
+def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(cp.kubectl("get", "-n", namespace, "sm", name, "-o", "json").stdout)
+    return out
+
+
+def columns(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, str]:
+    header, row = cp.kubectl("get", "sm", name, "-n", namespace).stdout.splitlines()[:2]
+    return dict(zip(header.split(), row.split(), strict=False))
+
+
+def test_servedmodel_probed_against_real_vllm_is_ready_and_serving(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    vllm_qwen25: VLLMServer,
+) -> None:
+    cp = control_plane
+    op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/qwen={vllm_qwen25.base_url}")
+    apply(cp, namespace, served_model("qwen", servedModelName="qwen", probe={"interval": 5}))
+
+    def probed_twice() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "qwen")
+        window = ((obj.get("status") or {}).get("probe") or {}).get("window") or {}
+        ready = condition(obj, "Ready").get("status") == "True"
+        return obj if ready and window.get("samples", 0) >= 2 else None
+
+    obj = wait_for(
+        "Ready and two successful probes of real vLLM", probed_twice, 300, detail=lambda: op.log(60)
+    )
+    probe = obj["status"]["probe"]
+    assert (probe["result"], probe["reason"]) == ("Success", "Serving"), probe.get("message")
+    assert probe["model"] == "qwen"
+    assert probe["endpoint"] == vllm_qwen25.base_url
+    assert {k: probe["checks"][k]["result"] for k in CHECKS} == dict.fromkeys(CHECKS, "Pass"), probe["checks"]
+    assert probe["checks"]["template"]["reason"] == "PromptTokensMatch"
+    assert "maximum context length is 4096" in probe["checks"]["limits"]["message"]
+    # vLLM's own histograms, over a window where only the probe finished a request
+    server = probe["server"]
+    assert server["isolated"] is True
+    assert server["requests"] == 1
+    for field in ("ttftMs", "queueMs", "prefillMs", "decodeMs", "e2eMs"):
+        assert server[field] >= 0, field
+    assert server["ttftMs"] > 0
+    assert probe["client"]["ttftMs"] > 0
+    assert probe["usage"]["promptTokens"] > 0
+    assert probe["counters"]["generationTokensTotal"] >= probe["usage"]["completionTokens"]
+    assert probe["scheduler"]["running"] == 0
+    for type_ in ("Serving", "TemplateOK", "Ready"):
+        assert condition(obj, type_)["status"] == "True", (type_, condition(obj, type_))
+    assert obj["status"]["phase"] == "Ready"
+
+    cols = columns(cp, namespace, "qwen")
+    for col in ("TTFT", "TPOT", "RUNNING", "WAITING"):
+        assert cols.get(col) not in (None, "<none>"), cols
+    assert float(cols["TTFT"]) > 0
+    wide = cp.kubectl("get", "sm", "qwen", "-n", namespace, "-o", "wide").stdout
+    assert "Ready" in wide
