@@ -67,6 +67,11 @@ def generation_seen(cp: controlplane.ControlPlane, namespace: str, name: str) ->
     return seen
 
 
+def status_writes(op: OperatorProcess) -> float:
+    lines = [x for x in op.metrics().splitlines() if x.startswith("servedmodel_status_writes_total ")]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
 def test_server_side_apply_drops_a_field_its_only_owner_stops_applying(
     bare_control_plane: controlplane.ControlPlane, namespace: str
 ) -> None:
@@ -148,6 +153,11 @@ def test_replicas_belong_to_the_autoscaler(
     assert auto["autoscaler"] == "HorizontalPodAutoscaler"
     assert auto["horizontalPodAutoscaler"] == name
     assert auto["reason"].startswith("Failed"), auto  # FailedGetPodsMetric: no custom.metrics.k8s.io
+    # Written on change only: the HPA controller syncs every 2 s, the status stays as it is.
+    writes = status_writes(operator)
+    assert writes > 0
+    time.sleep(5 * 2)  # an observation window of five HPA syncs, not a timing assertion
+    assert status_writes(operator) == writes
     described = cp.kubectl("describe", "-n", namespace, "servedmodel", name).stdout
     assert "Autoscaling:" in described
     assert "Horizontal Pod Autoscaler:" in described
