@@ -468,9 +468,80 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
 
             wait_for("Serving True (probing the engine)", serving("True"))
             obj = get(cp, namespace, "servedmodel", name) or {}
-            assert (
-                obj["status"]["autoscaling"]["reason"] == "HorizontalPodAutoscalerMissing"
-            )  # no KEDA operator
+            assert obj["status"]["autoscaling"]["reason"] == "HorizontalPodAutoscalerMissing"  # no KEDA here
+
+            # The HPA KEDA's operator makes (controllers/keda/hpa.go): keda-hpa-<name>, KEDA's labels with
+            # the ScaledObject's over them, owned by the ScaledObject, on an External metric. The real
+            # HPA controller acts on it; the operator reads it and does not prune it.
+            labels = {
+                "app.kubernetes.io/name": f"keda-hpa-{name}",
+                "app.kubernetes.io/managed-by": "keda-operator",
+                **so["metadata"]["labels"],
+            }
+            keda_hpa = {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {
+                    "name": f"keda-hpa-{name}",
+                    "namespace": namespace,
+                    "labels": labels,
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "keda.sh/v1alpha1",
+                            "kind": "ScaledObject",
+                            "name": name,
+                            "uid": so["metadata"]["uid"],
+                            "controller": True,
+                            "blockOwnerDeletion": True,
+                        }
+                    ],
+                },
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                    "minReplicas": 1,
+                    "maxReplicas": 3,
+                    "metrics": [
+                        {
+                            "type": "External",
+                            "external": {
+                                "metric": {
+                                    "name": "s0-prometheus",
+                                    "selector": {"matchLabels": {"scaledobject.keda.sh/name": name}},
+                                },
+                                "target": {"type": "AverageValue", "averageValue": "2"},
+                            },
+                        }
+                    ],
+                },
+            }
+            cp.kubectl(
+                "apply",
+                "--server-side",
+                "--field-manager=keda-operator",
+                "-f",
+                "-",
+                input=json.dumps(keda_hpa),
+            )
+
+            def from_kedas_hpa() -> Any:
+                auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
+                    "autoscaling"
+                ) or {}
+                return auto if auto.get("reason", "").startswith("Failed") else None
+
+            auto = wait_for(
+                "status.autoscaling from KEDA's HPA (no external.metrics.k8s.io here)", from_kedas_hpa
+            )
+            assert auto["autoscaler"] == "KEDA"
+            assert auto["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
+            assert auto["currentReplicas"] == 1
+            # a new generation is applied and pruned: KEDA's HPA (owned by the ScaledObject) stays
+            spec["probe"] = {"interval": 6}
+            apply(cp, namespace, served_model(name, **spec))
+            wait_for("that generation reconciled", generation_seen(cp, namespace, name))
+            assert get(cp, namespace, "hpa", f"keda-hpa-{name}") is not None
+            spec["probe"] = {"interval": 5}
+            apply(cp, namespace, served_model(name, **spec))
 
             # KEDA's idle scale to zero, as KEDA does it: the Deployment's scale subresource to 0.
             cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=0")
