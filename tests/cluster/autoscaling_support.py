@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class EnginePods:
         return self
 
     def live_pods(self) -> list[dict[str, Any]]:
-        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={self.selector}"
+        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={urllib.parse.quote(self.selector)}"
         pods = self.cp.request("GET", path).get("items") or []
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         return sorted(live, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]))

@@ -205,7 +205,7 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
         pytest.skip(f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`")
     cp = control_plane
     name = "qwen-hpa"
-    pods = EnginePods(cp, namespace, names.selector_string(name).replace(",", "%2C"), engines)
+    pods = EnginePods(cp, namespace, names.selector_string(name), engines)
     prom = Prometheus(pods.targets_file)
     adapter: Adapter | None = None
     load: Load | None = None
@@ -323,7 +323,7 @@ def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
     args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
     with SimulatorProcess(args, ready_timeout=60) as sim:
         op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
-        pods = EnginePods(cp, namespace, names.selector_string(name).replace(",", "%2C"), [sim])
+        pods = EnginePods(cp, namespace, names.selector_string(name), [sim])
         prom = Prometheus(pods.targets_file, operator_metrics=f"127.0.0.1:{op.metrics_port}")
         adapter: Adapter | None = None
         try:
