@@ -1,7 +1,7 @@
 """status of a ServedModel. Two writers share it through server-side apply: the reconciler (phase,
-replicas, ready, endpoint, selector and the Ready/Progressing/Degraded/InvalidSpec conditions) and the
-probe (status.probe and the Serving/TemplateOK/LatencySLOMet conditions). `conditions` is a list-map
-keyed by type, so each field manager owns its own entries.
+replicas, ready, endpoint, selector, autoscaling and the Ready/Progressing/Degraded/InvalidSpec
+conditions) and the probe (status.probe and the Serving/TemplateOK/LatencySLOMet conditions).
+`conditions` is a list-map keyed by type, so each field manager owns its own entries.
 """
 
 from __future__ import annotations
