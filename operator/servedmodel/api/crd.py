@@ -322,7 +322,8 @@ def reference_markdown() -> str:
         "",
         f"`apiVersion: {API_GROUP}/{API_VERSION}`, `kind: {KIND}` (plural `{PLURAL}`, short name "
         f"`{', '.join(SHORT_NAMES)}`), namespaced, with the `status` and `scale` subresources "
-        "(`kubectl scale sm NAME --replicas=N`).",
+        "(`kubectl scale sm NAME --replicas=N`; refused while `spec.autoscaling` is set: the autoscaler "
+        "owns the replicas then).",
         "",
         "Printer columns: " + ", ".join(c["name"] for c in PRINTER_COLUMNS) + ".",
         "",
