@@ -344,3 +344,61 @@ class Load:
 
     def stop(self) -> None:
         _stop(self.proc)
+
+
+def keda_operator_binary() -> Path:
+    """KEDA's operator as hack/build-keda-operator.sh builds it (same pin as the KEDA CRDs)."""
+    base = os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel")
+    return Path(base) / "keda-v2.21.0" / "keda-operator"
+
+
+class KedaOperator:
+    """KEDA's real operator on loopback, watching one namespace: it makes keda-hpa-<name> and does the
+    0 <-> minReplicas part of scaling itself (polling the triggers); no metrics apiserver, so the HPA it
+    makes cannot get its External metric (1..N scaling is the HPA path's test)."""
+
+    def __init__(self, cp: controlplane.ControlPlane, namespace: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="autoscaling-keda-"))
+        certs = self.dir / "certs"
+        certs.mkdir()
+        # The gRPC metrics service wants a certificate even when nothing dials it.
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", "tls.key", "-out", "tls.crt", "-days", "1", "-subj", "/CN=keda-operator",
+             "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+            cwd=certs, check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        shutil.copy(certs / "tls.crt", certs / "ca.crt")
+        metrics, health, grpc = (free_port() for _ in range(3))
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(cp.kubeconfig),
+            "WATCH_NAMESPACE": namespace,
+            "POD_NAMESPACE": namespace,
+            "KEDA_CLUSTER_OBJECT_NAMESPACE": namespace,
+        }
+        self.log = (self.dir / "keda.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                str(keda_operator_binary()),
+                f"--metrics-bind-address=127.0.0.1:{metrics}",
+                f"--health-probe-bind-address=127.0.0.1:{health}",
+                f"--metrics-service-bind-address=127.0.0.1:{grpc}",
+                f"--cert-dir={certs}",
+                "--enable-webhook-patching=false",
+                "--enable-apiservice-patching=false",
+                "--leader-elect=false",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def log_text(self) -> str:
+        return (self.dir / "keda.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

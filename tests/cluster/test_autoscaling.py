@@ -21,7 +21,16 @@ from typing import Any
 import cluster_support
 import pytest
 import yaml
-from autoscaling_support import Adapter, EnginePods, Load, Prometheus, adapter_binary, engine_metric
+from autoscaling_support import (
+    Adapter,
+    EnginePods,
+    KedaOperator,
+    Load,
+    Prometheus,
+    adapter_binary,
+    engine_metric,
+    keda_operator_binary,
+)
 from cluster_support import apply, condition, served_model
 
 import controlplane
@@ -567,6 +576,117 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
             wait_for("Serving True again", serving("True"))
             assert engine_metric(sim, "vllm:request_success_total") > chats_at_zero
         finally:
+            cp.kubectl(
+                "delete",
+                "servedmodels",
+                "--all",
+                "-n",
+                namespace,
+                "--wait=true",
+                "--timeout=30s",
+                check=False,
+            )
+
+
+@pytest.fixture
+def all_keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
+    """Every CRD KEDA's operator watches (config/crd/bases), removed afterwards."""
+    plurals = ("scaledobjects", "scaledjobs", "triggerauthentications", "clustertriggerauthentications")
+    try:
+        paths = [olm_tools.keda_crd(p) for p in plurals]
+        base = paths[0].parent
+        paths += [
+            base / "eventing.keda.sh_cloudeventsources.yaml",
+            base / "eventing.keda.sh_clustercloudeventsources.yaml",
+        ]
+    except olm_tools.ToolUnavailable as e:
+        pytest.skip(f"KEDA CRDs unavailable: {e}")
+    args = [a for p in paths for a in ("-f", str(p))]
+    control_plane.kubectl("apply", "--server-side", *args)
+    for path in paths:
+        control_plane.wait_established(yaml.safe_load(path.read_text())["metadata"]["name"])
+    try:
+        yield
+    finally:
+        control_plane.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
+
+
+def test_keda_operator_makes_its_hpa_and_scales_an_idle_model_to_zero(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    all_keda_crds: None,
+) -> None:
+    """KEDA's real operator (hack/build-keda-operator.sh) on what the operator renders: it makes
+    keda-hpa-<name>, polls the Prometheus trigger, finds the model idle and scales it to zero; the
+    ServedModel says ScaledToZero and the probe sends nothing."""
+    if not keda_operator_binary().is_file():
+        pytest.skip(f"KEDA's operator not built ({keda_operator_binary()}): run hack/build-keda-operator.sh")
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    cp = control_plane
+    name = "qwen-idle"
+    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
+    with SimulatorProcess(args, ready_timeout=60) as sim:
+        pods = EnginePods(cp, namespace, names.selector_string(name), [sim])
+        prom = Prometheus(pods.targets_file)
+        keda: KedaOperator | None = None
+        try:
+            prom.wait_ready()
+            keda = KedaOperator(cp, namespace)
+            start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+            auto = {
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "targets": {"waitingRequestsPerReplica": 2},
+                "scaleToZero": True,
+                "cooldownSeconds": 5,
+                "pollingIntervalSeconds": 1,
+                "prometheus": {"url": prom.base_url},
+            }
+            apply(
+                cp,
+                namespace,
+                served_model(name, servedModelName="qwen", probe={"interval": 5}, autoscaling=auto),
+            )
+            pods.start()
+            hpa = wait_for("KEDA's HPA", lambda: get(cp, namespace, "hpa", f"keda-hpa-{name}"), timeout=180)
+            assert hpa["metadata"]["ownerReferences"][0]["kind"] == "ScaledObject"
+            assert hpa["spec"]["metrics"][0]["type"] == "External"
+
+            def scaled_to_zero() -> Any:
+                obj = get(cp, namespace, "servedmodel", name)
+                auto = ((obj or {}).get("status") or {}).get("autoscaling") or {}
+                return obj if auto.get("reason") == "ScaledToZero" else None
+
+            obj = wait_for("KEDA scaling the idle model to zero", scaled_to_zero, timeout=180)
+            assert obj["status"]["autoscaling"]["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
+            dep = get(cp, namespace, "deployment", name)
+            assert dep is not None
+            assert dep["spec"]["replicas"] == 0
+            assert OPERATOR_MANAGER not in replicas_owners(dep)  # KEDA wrote it, through /scale
+            obj = wait_for(
+                "Serving Unknown",
+                lambda: (
+                    o
+                    if condition(o := get(cp, namespace, "servedmodel", name), "Serving").get("status")
+                    == "Unknown"
+                    else None
+                ),
+            )
+            assert condition(obj, "Serving")["reason"] == "ScaledToZero"
+            chats = engine_metric(sim, "vllm:request_success_total")
+            time.sleep(3 * 5)  # three probe intervals at zero: an observation window
+            assert engine_metric(sim, "vllm:request_success_total") == chats
+            dep = get(cp, namespace, "deployment", name)
+            assert dep is not None
+            assert dep["spec"]["replicas"] == 0  # KEDA keeps it there while idle
+        finally:
+            pods.stop()
+            if keda is not None:
+                print(f"\nKEDA operator log tail:\n{keda.log_text()[-3000:]}")
+                keda.stop()
+            prom.stop()
             cp.kubectl(
                 "delete",
                 "servedmodels",
