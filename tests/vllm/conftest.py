@@ -109,7 +109,25 @@ def fault_table() -> list[tuple[str, str, float, str, float | None]]:
     return FAULT_ROWS
 
 
+_leftovers: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
+    # After the session fixtures' teardown: any vLLM process group still alive is a leak; stop it.
+    yield
+    for server in list(_servers):
+        members = vllm_server.group_members(server.pid) if server.starts else []
+        if members:
+            _leftovers.append(f"vLLM on port {server.port}: pids {members}")
+        server.stop()
+    if _leftovers:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _leftovers:
+        terminalreporter.write_line(f"ERROR: still running after the suite (now stopped): {line}", red=True)
     if not FAULT_ROWS:
         return
     write = terminalreporter.write_line
