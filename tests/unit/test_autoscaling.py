@@ -114,6 +114,16 @@ def test_keda_path_scaled_object_and_trigger_authentication() -> None:
     assert trigger["metricType"] == "AverageValue"
 
 
+def test_keda_ca_goes_to_the_trigger_authentication() -> None:
+    prom = {**PROM, "caSecretRef": {"name": "tok", "key": "service-ca.crt"}}
+    objects = render(model(autoscaling={**AUTO, "prometheus": prom}), RenderContext(has_keda_api=True))
+    auth, so = objects[2], objects[3]
+    assert auth["spec"]["secretTargetRef"] == [{"parameter": "ca", "name": "tok", "key": "service-ca.crt"}]
+    trigger = so["spec"]["triggers"][0]
+    assert trigger["authenticationRef"]["name"] == "qwen-prometheus"
+    assert "authModes" not in trigger["metadata"]  # a CA alone is no auth mode
+
+
 def test_keda_without_a_token_has_no_trigger_authentication() -> None:
     objects = render(model(autoscaling={**AUTO, "prometheus": PROM}), RenderContext(has_keda_api=True))
     assert kinds(objects) == ["Deployment", "Service", "ScaledObject"]

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from .base import ApiModel, cel
-from .probe import PrometheusSource
+from .probe import PrometheusSource, SecretKeyRef
 
 # The targets in the field's words; the wire names are the camelCase forms of these attributes.
 TARGET_FIELDS = (
@@ -94,6 +94,18 @@ class AutoscalingTargets(ApiModel):
         return self
 
 
+class AutoscalingPrometheus(PrometheusSource):
+    """The Prometheus KEDA's triggers query, and how KEDA authenticates to it."""
+
+    ca_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "Secret key with the CA bundle that signed the Prometheus URL's certificate (KEDA's `ca` "
+            "parameter), e.g. service-ca.crt of an OpenShift service-account token Secret."
+        ),
+    )
+
+
 class ScalingRules(ApiModel):
     """One direction of scaling (the HPA's behavior.scaleUp / scaleDown)."""
 
@@ -157,7 +169,7 @@ class ServedModelAutoscaling(ApiModel):
     polling_interval_seconds: int | None = Field(
         default=None, ge=1, le=3600, description="KEDA's pollingInterval: how often triggers are queried."
     )
-    prometheus: PrometheusSource | None = Field(
+    prometheus: AutoscalingPrometheus | None = Field(
         default=None,
         description=(
             "The Prometheus KEDA's triggers query (e.g. OpenShift's Thanos querier, port 9092 with a bearer "

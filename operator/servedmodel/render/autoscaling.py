@@ -2,7 +2,7 @@
 
 - KEDA discovered (keda.sh/v1alpha1): a ScaledObject `<name>` with one Prometheus trigger per target
   on vLLM's series of this model (namespace, model_name) or the operator's probe TTFT p95 gauge, and a
-  TriggerAuthentication `<name>-prometheus` carrying the bearer token (and CA) from the Secret when the
+  TriggerAuthentication `<name>-prometheus` carrying the bearer token (and CA) from Secrets when the
   Prometheus needs one (OpenShift's Thanos querier). KEDA makes the HPA itself (keda-hpa-<name>).
 - Otherwise an autoscaling/v2 HorizontalPodAutoscaler `<name>` on custom metrics as prometheus-adapter
   serves them (the adapter rule is in docs/operations.md): Pods metrics for vLLM's gauges, an Object
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Final
 
 from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
-from servedmodel.api.autoscaling import AutoscalingTargets, ServedModelAutoscaling
+from servedmodel.api.autoscaling import AutoscalingPrometheus, AutoscalingTargets, ServedModelAutoscaling
 from servedmodel.api.base import Obj
 from servedmodel.api.probe import PrometheusSource
 
@@ -218,7 +218,7 @@ def keda_triggers(cr: ServedModel, prom: PrometheusSource) -> list[Obj]:
             metadata["activationThreshold"] = _decimal(activation)
         trigger: Obj = {"type": "prometheus", "name": name, "metricType": metric_type}
         trigger["metadata"] = dict(sorted(metadata.items()))
-        if prom.bearer_token_secret_ref is not None:
+        if trigger_authentication(cr, prom) is not None:
             trigger["authenticationRef"] = {
                 "kind": "TriggerAuthentication",
                 "name": trigger_auth_name(cr.name),
@@ -252,15 +252,19 @@ def scaled_object(cr: ServedModel, prom: PrometheusSource) -> Obj:
 
 
 def trigger_authentication(cr: ServedModel, prom: PrometheusSource) -> Obj | None:
-    """The bearer token by reference (KEDA reads the Secret; the operator never does for this)."""
-    ref = prom.bearer_token_secret_ref
-    if ref is None:
+    """The bearer token and CA by reference (KEDA reads the Secret; the operator never does for this)."""
+    refs = []
+    if prom.bearer_token_secret_ref is not None:
+        refs.append(("bearerToken", prom.bearer_token_secret_ref))
+    if isinstance(prom, AutoscalingPrometheus) and prom.ca_secret_ref is not None:
+        refs.append(("ca", prom.ca_secret_ref))
+    if not refs:
         return None
     return {
         "apiVersion": KEDA_API,
         "kind": "TriggerAuthentication",
         "metadata": child_metadata(cr, trigger_auth_name(cr.name)),
-        "spec": {"secretTargetRef": [{"parameter": "bearerToken", "name": ref.name, "key": ref.key}]},
+        "spec": {"secretTargetRef": [{"parameter": p, "name": r.name, "key": r.key} for p, r in refs]},
     }
 
 
