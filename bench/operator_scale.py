@@ -66,7 +66,8 @@ def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
 
 
 def scrape(port: int) -> Metrics:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    # A busy operator answers /metrics late (its thread waits for the GIL): a patient read.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text)
@@ -114,44 +115,76 @@ class Proc:
 
 
 class Watch:
-    """`kubectl get sm -w` as one line per event: name, phase, lastProbeTime; stamps first sightings."""
+    """`kubectl get sm -w` as one line per event (name, phase, lastProbeTime), stamping first sightings.
+
+    A watch that ends (the server closes it, a busy machine drops it) is started again after a plain
+    listing, so a transition missed in between is still seen (stamped at that listing: an upper bound)."""
+
+    COLUMNS = "NAME:.metadata.name,PHASE:.status.phase,PROBE:.status.probe.lastProbeTime"
 
     def __init__(self, cp: controlplane.ControlPlane) -> None:
-        columns = "NAME:.metadata.name,PHASE:.status.phase,PROBE:.status.probe.lastProbeTime"
-        cmd = [str(cp.bin_dir / "kubectl"), f"--kubeconfig={cp.kubeconfig}", "get", "sm", "-n", NAMESPACE]
-        self.proc = subprocess.Popen(
-            [*cmd, "-w", "--no-headers", "-o", f"custom-columns={columns}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        self.cmd = [
+            str(cp.bin_dir / "kubectl"),
+            f"--kubeconfig={cp.kubeconfig}",
+            "get",
+            "sm",
+            "-n",
+            NAMESPACE,
+        ]
         self.ready: dict[str, float] = {}
         self.probed: dict[str, float] = {}
         self.lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.proc: subprocess.Popen[str] | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def _see(self, line: str, now: float) -> None:
+        parts = line.split()
+        if len(parts) < 3:
+            return
+        name, phase, probe = parts[0], parts[1], parts[2]
+        with self.lock:
+            if phase == "Ready":
+                self.ready.setdefault(name, now)
+            if probe != "<none>":
+                self.probed.setdefault(name, now)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            listing = subprocess.run(
+                [*self.cmd, "--no-headers", "-o", f"custom-columns={self.COLUMNS}"],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=120,
+            )
             now = time.monotonic()
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            name, phase, probe = parts[0], parts[1], parts[2]
-            with self.lock:
-                if phase == "Ready":
-                    self.ready.setdefault(name, now)
-                if probe != "<none>":
-                    self.probed.setdefault(name, now)
+            for line in listing.stdout.splitlines():
+                self._see(line, now)
+            if self._stop.is_set():
+                return
+            self.proc = subprocess.Popen(
+                [*self.cmd, "-w", "--watch-only", "--no-headers", "-o", f"custom-columns={self.COLUMNS}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self._see(line, time.monotonic())
+            self.proc.wait()
+            time.sleep(0.5)
 
     def counts(self) -> tuple[int, int]:
         with self.lock:
             return len(self.ready), len(self.probed)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        self._stop.set()
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -219,6 +252,13 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
                 )
                 created[obj["metadata"]["name"]] = time.monotonic()
 
+            spy = None
+            if args.profile:
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "-f", "raw", "-r", "50", "-d",
+                     str(int(args.profile_s)), "-o", str(args.profile), "--pid", str(operator.pid)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
             t_apply = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(create, range(n)))
@@ -231,6 +271,8 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
                     break
                 time.sleep(0.5)
             t_settled = time.monotonic()
+            if spy is not None:
+                spy.wait(timeout=args.profile_s + 60)
             busy = scrape(metrics_port)
             cpu_busy = proc.cpu_s()
 
@@ -262,10 +304,15 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
 
     ready_s = sorted(watch.ready[k] - created[k] for k in watch.ready if k in created)
     probe_s = sorted(watch.probed[k] - watch.ready[k] for k in watch.probed if k in watch.ready)
+    first_probe_s = sorted(watch.probed[k] - created[k] for k in watch.probed if k in created)
     busy_s = max(t_settled - t_apply, 1e-9)
 
     def delta(a: Metrics, b: Metrics, name: str, **labels: str) -> float:
         return total(b, name, **labels) - total(a, name, **labels)
+
+    def mean(a: Metrics, b: Metrics, kind: str) -> float:
+        seconds = delta(a, b, "servedmodel_reconcile_duration_seconds_sum", kind=kind)
+        return seconds / max(1.0, delta(a, b, "servedmodel_reconcile_duration_seconds_count", kind=kind))
 
     req = "servedmodel_kube_api_requests"
     writes = "servedmodel_status_writes_total"
@@ -280,7 +327,9 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("ServedModels created / Ready / probed", f"{n} / {len(ready_s)} / {len(probe_s)}"),
         ("create all (16 parallel POSTs), s", f"{t_created - t_apply:.1f}"),
         ("create → Ready, s (p50 / p95 / max)", fmt(ready_s)),
-        ("Ready → first probe in status, s (p50 / p95 / max)", fmt(probe_s)),
+        ("create → first probe in status, s (p50 / p95 / max)", fmt(first_probe_s)),
+        # Negative: the probe starts once a replica is ready, which can be before the phase says Ready.
+        ("phase Ready → first probe in status, s (p50 / p95 / max)", fmt(probe_s)),
         ("first create → all Ready (and probed), s", f"{t_settled - t_apply:.1f}"),
         (
             "operator API requests while busy: total / per s / per ServedModel",
@@ -297,6 +346,11 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             "—"
             if args.no_probe
             else f"{delta(busy, idle, probe_writes) / max(1.0, n * args.idle / args.probe_interval):.2f}",
+        ),
+        (
+            "reconcile passes while busy: count / mean s (apply) / mean s (from the cache)",
+            f"{delta(base, busy, 'servedmodel_controller_reconciles_total'):.0f} / "
+            f"{mean(base, busy, 'apply'):.3f} / {mean(base, busy, 'refresh'):.3f}",
         ),
         (
             "delete all → ServedModels gone / Deployments gone, s",
@@ -325,6 +379,10 @@ def main() -> int:
     parser.add_argument("--no-probe", action="store_true", help="spec.probe.enabled: false")
     parser.add_argument("--log", type=Path, default=None, help="write the operator's log here")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks of the operator here")
+    parser.add_argument(
+        "--profile-s", type=float, default=60.0, help="seconds to profile from the first create"
+    )
     args = parser.parse_args()
     rows = run(args)
     if args.markdown:

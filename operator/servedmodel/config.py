@@ -79,9 +79,14 @@ class OperatorConfig(BaseSettings):
         ),
     )
     # The control loop (controller.py, docs/architecture-reconcile.md).
-    workers: int = Field(default=8, ge=1, le=256, description="Concurrent reconciles (work-queue workers).")
+    workers: int = Field(
+        default=32,
+        ge=1,
+        le=256,
+        description="Concurrent reconciles (work-queue workers); a pass mostly waits on the API server.",
+    )
     max_inflight_requests: int = Field(
-        default=32, ge=1, le=1024, description="Kubernetes API requests the operator's client has in flight."
+        default=64, ge=1, le=1024, description="Kubernetes API requests the operator's client has in flight."
     )
     resync_interval: float = Field(
         default=600.0,

@@ -14,6 +14,7 @@ No kopf here: handlers/ call `reconcile()` and turn its `Outcome` into Events, r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -384,18 +385,29 @@ async def reconcile(
     apply_error: tuple[str, str] | None = None
     reason = why_apply(body, objects, cache) if apply is None else ("requested" if apply else None)
     if reason is not None:
-        for obj in objects:
+        assert cr is not None
+        autoscaled = cr.spec.autoscaling is not None
+
+        async def apply_one(obj: dict[str, Any]) -> tuple[str, ApiError | None]:
             ref = f"{obj['kind']}/{obj['metadata']['name']}"
             try:
-                if obj["kind"] == "Deployment" and cr.spec.autoscaling is not None:
+                if obj["kind"] == "Deployment" and autoscaled:
                     await hand_over_replicas(client, namespace, name, config.field_manager)
                 cache.upsert(obj["kind"], await client.apply(obj, config.field_manager, force=True))
-                applied.append(ref)
             except ApiError as e:
                 if e.status == 0:
                     raise  # unreachable: nothing can be written either; the caller backs off
                 log.warning("[%s/%s] apply %s failed: %s", namespace, name, ref, e)
-                apply_error = apply_error or (APPLY_FAILED, f"{ref}: {e.status} {e.reason}: {e.message}")
+                return ref, e
+            return ref, None
+
+        # The children do not depend on each other (a pod waits for its claim, garbage collection for
+        # nothing): applied at once, one round trip per pass instead of one per child.
+        for ref, error in await asyncio.gather(*(apply_one(obj) for obj in objects)):
+            if error is None:
+                applied.append(ref)
+            elif apply_error is None:
+                apply_error = (APPLY_FAILED, f"{ref}: {error.status} {error.reason}: {error.message}")
         if uid and apply_error is None:
             keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
             pruned = await prune(client, name, namespace, uid, keep, optional, cache)

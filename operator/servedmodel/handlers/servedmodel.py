@@ -14,6 +14,7 @@ the probe's other status writes (latencies every cycle) do not cause reconciles.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -164,12 +165,14 @@ async def reconcile_key(memo: Any, key: tuple[str, str]) -> Result | None:
     if await remove_legacy_bookkeeping(client, cache, body):
         body = cache.get(SERVED_MODEL, namespace, name) or body
 
+    async def post_event(involved: Mapping[str, Any], t: st.Transition) -> None:
+        try:
+            await client.create_event(dict(involved), type=t.type, reason=t.reason, message=t.message)
+        except ApiError as e:  # an Event is not worth failing the pass for
+            log.warning("[%s/%s] could not post Event %s: %s", namespace, name, t.reason, e)
+
     async def post_events(involved: Mapping[str, Any], changes: list[st.Transition]) -> None:
-        for t in changes:
-            try:
-                await client.create_event(dict(involved), type=t.type, reason=t.reason, message=t.message)
-            except ApiError as e:  # an Event is not worth failing the pass for
-                log.warning("[%s/%s] could not post Event %s: %s", namespace, name, t.reason, e)
+        await asyncio.gather(*(post_event(involved, t) for t in changes))
 
     started = time.monotonic()
     try:
