@@ -187,6 +187,51 @@ def test_replicas_belong_to_the_autoscaler(
     )
 
 
+def test_an_hpa_of_ones_own_on_the_served_models_scale_subresource(
+    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> None:
+    """Without spec.autoscaling the scale subresource is the ServedModel's: an HPA on it sets spec.replicas
+    (here: raised to its minReplicas) and the operator carries that to the Deployment."""
+    cp = control_plane
+    name = "own-hpa"
+    apply(cp, namespace, served_model(name, probe={"enabled": False}))
+    wait_for("the Deployment", lambda: get(cp, namespace, "deployment", name))
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "mine", "namespace": namespace},
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "inference.servedmodel.io/v1alpha1",
+                "kind": "ServedModel",
+                "name": name,
+            },
+            "minReplicas": 2,
+            "maxReplicas": 3,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": "vllm_num_requests_waiting"},
+                        "target": {"type": "AverageValue", "averageValue": "2"},
+                    },
+                }
+            ],
+        },
+    }
+    cp.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(hpa))
+    wait_for(
+        "spec.replicas raised by the HPA",
+        lambda: (get(cp, namespace, "servedmodel", name) or {})["spec"]["replicas"] == 2,
+    )
+    wait_for(
+        "the Deployment following",
+        lambda: (get(cp, namespace, "deployment", name) or {})["spec"]["replicas"] == 2,
+    )
+    sm = get(cp, namespace, "servedmodel", name) or {}
+    assert sm["status"]["selector"] == names.selector_string(name)  # what the HPA selects pods by
+
+
 @pytest.fixture
 def engines() -> Iterator[list[SimulatorProcess]]:
     """Three simulators with a batch of one: a second concurrent request waits in the queue."""
