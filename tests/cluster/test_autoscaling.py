@@ -321,6 +321,10 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
             ),
         )
         assert status["lastScale"]["toReplicas"] == 3
+        # the console's column (priority 1: kubectl get -o wide)
+        wide = cp.kubectl("get", "sm", name, "-n", namespace, "-o", "wide").stdout.splitlines()
+        at = wide[0].index("DESIRED")  # kubectl's table is fixed-width: read the cell under the header
+        assert wide[1][at:].split()[0] == "3", wide
         load.stop()
         load = None
         wait_for("the queue drained", lambda: engine_metric(engines[first], "vllm:num_requests_waiting") == 0)
