@@ -174,7 +174,6 @@ def window(prompt: float, gen: float, done: float = 1) -> WindowDelta:
     return WindowDelta(
         counters={"request_success": done, "prompt_tokens": prompt, "generation_tokens": gen},
         phases_ms={},
-        phase_counts={},
         reset=False,
     )
 

@@ -15,7 +15,7 @@ from servedmodel.probe.endpoints import (
     resolve_managed,
     service_url,
 )
-from servedmodel.probe.schedule import first_delay, next_delay
+from servedmodel.probe.schedule import next_delay
 
 
 @pytest.mark.parametrize(
@@ -102,4 +102,3 @@ def test_next_delay_jitters_and_backs_off_bounded(failures: int, lo: float, hi: 
     delays = [next_delay(60, failures, rng) for _ in range(200)]
     assert all(lo <= d <= hi for d in delays)
     assert len(set(delays)) > 100  # jittered, not constant
-    assert 0 <= first_delay(60, rng) <= 6

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import time
@@ -126,9 +125,6 @@ class ProbeOutcome:
     model: str | None = None
     model_root: str | None = None
     max_model_len: int | None = None
-    health_ms: float | None = None
-    models_ms: float | None = None
-    tokenize_ms: float | None = None
     tokenize_count: int | None = None
     rendered: str | None = None
     tokenize_error: str | None = None
@@ -139,7 +135,6 @@ class ProbeOutcome:
     window: WindowDelta | None = None
     isolated: bool | None = None
     metrics_error: str | None = None
-    limits_status: int | None = None
     body: dict[str, Any] | None = None  # the first chat request sent (nonce included; no secrets)
     delivery: Delivery | None = None
     learned_stop: ck.LearnedStop | None = None
@@ -183,24 +178,16 @@ def _json(r: httpx.Response, step: str) -> Any:
         raise ProbeFailure(er.MALFORMED_RESPONSE, f"{step}: body is not JSON: {r.text[:80]!r}") from None
 
 
-def _ms(t0: int) -> float:
-    return (time.monotonic_ns() - t0) / 1e6
-
-
 async def door(
     client: httpx.AsyncClient, base: str, model: str | None, api_key: str | None, out: ProbeOutcome
 ) -> None:
     """/health answers 200, /v1/models lists the model; read max_model_len."""
-    t0 = time.monotonic_ns()
     r = await _call("GET /health", client.get(f"{base}/health"))
-    out.health_ms = _ms(t0)
     if r.status_code == 503:
         raise ProbeFailure(er.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
     if r.status_code != 200 and r.status_code != 404:  # 404: an OpenAI-compatible server without /health
         raise er.classify_status(r.status_code, r.content, "GET /health")
-    t0 = time.monotonic_ns()
     r = await _call("GET /v1/models", client.get(f"{base}/v1/models", headers=_auth(api_key)))
-    out.models_ms = _ms(t0)
     if r.status_code != 200:
         raise er.classify_status(r.status_code, r.content, "GET /v1/models")
     doc = _json(r, "GET /v1/models")
@@ -255,9 +242,7 @@ async def tokenize(
         "add_generation_prompt": True,
         "return_token_strs": True,
     }
-    t0 = time.monotonic_ns()
     r = await _call("POST /tokenize", client.post(f"{base}/tokenize", json=body, headers=_auth(api_key)))
-    out.tokenize_ms = _ms(t0)
     if r.status_code != 200:
         out.tokenize_error = f"POST /tokenize: HTTP {r.status_code}: {er.error_message_of(r.content)}"
         return
@@ -511,7 +496,6 @@ async def _limits_check(
             error = f.message
         except TimeoutError:
             error = f"no answer within {spec.timeout:g} s"
-    out.limits_status = status
     if spec.check_limits and out.max_model_len is not None and out.max_model_len > LIMITS_MAX_TOKENS:
         out.checks["limits"] = ck.skipped(
             "MaxModelLenTooLarge",
@@ -583,17 +567,3 @@ async def probe_client(spec: ProbeSpec, *, verify: bool = True) -> AsyncIterator
     """An AsyncClient with the spec's limits; no environment proxies (probes go straight to the engine)."""
     async with httpx.AsyncClient(timeout=http_timeout(spec), trust_env=False, verify=verify) as client:
         yield client
-
-
-def dumps_outcome_debug(out: ProbeOutcome) -> str:
-    """Compact one-line summary for logs (no secrets: outcomes never hold the key)."""
-    f = out.figures
-    return json.dumps(
-        {
-            "endpoint": out.endpoint,
-            "model": out.model,
-            "reason": out.failure.reason if out.failure else er.SERVING,
-            "ttft_ms": round(f.ttft_ms, 3) if f and f.ttft_ms is not None else None,
-            "tpot_ms": round(f.tpot_ms, 3) if f and f.tpot_ms is not None else None,
-        }
-    )

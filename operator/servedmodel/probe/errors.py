@@ -32,27 +32,6 @@ SECRET_UNAVAILABLE = "SecretUnavailable"
 PROMPT_TOO_LONG = "PromptTooLong"
 SERVING = "Serving"
 
-ALL_FAILURE_REASONS = (
-    CONNECTION_REFUSED,
-    DNS_FAILURE,
-    CONNECT_TIMEOUT,
-    FIRST_BYTE_TIMEOUT,
-    STREAM_STALLED,
-    PROBE_TIMEOUT,
-    CONNECTION_FAILED,
-    UNEXPECTED_STATUS,
-    UNAUTHORIZED,
-    MODEL_NOT_SERVED,
-    MALFORMED_RESPONSE,
-    MALFORMED_STREAM,
-    STREAM_CUT,
-    ENGINE_UNHEALTHY,
-    NO_READY_ENDPOINTS,
-    NO_CONTENT,
-    SECRET_UNAVAILABLE,
-    PROMPT_TOO_LONG,
-)
-
 
 class ProbeFailure(Exception):
     """A probe step failed for a known reason; `message` is safe to write to status (no secrets)."""

@@ -156,7 +156,6 @@ class WindowDelta:
 
     counters: Mapping[str, float]
     phases_ms: Mapping[str, float]  # mean per request in the window, ms
-    phase_counts: Mapping[str, float]
     reset: bool  # a counter went down (pod restarted): deltas unknown
 
 
@@ -171,7 +170,6 @@ def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
                 continue
             counters[k] = d
     phases: dict[str, float] = {}
-    counts: dict[str, float] = {}
     for k, h in after.histograms.items():
         b = before.histograms.get(k)
         if b is None:
@@ -180,9 +178,8 @@ def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
         if dc < 0:  # counts only grow; a sum may legally shrink (a negative observation)
             reset = True
             continue
-        counts[k] = dc
         if dc > 0:
             phases[k] = ds / dc * 1000.0
     if reset:
-        return WindowDelta({}, {}, {}, True)
-    return WindowDelta(counters, phases, counts, False)
+        return WindowDelta({}, {}, True)
+    return WindowDelta(counters, phases, False)

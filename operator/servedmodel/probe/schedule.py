@@ -14,8 +14,3 @@ def next_delay(interval: float, consecutive_failures: int, rng: random.Random) -
     factor = 1 if consecutive_failures <= 0 else min(2 ** (consecutive_failures - 1), MAX_BACKOFF_FACTOR)
     base = interval * factor
     return max(0.0, base * (1 + rng.uniform(-JITTER, JITTER)))
-
-
-def first_delay(interval: float, rng: random.Random) -> float:
-    """A random offset into the first interval (at most 10 % of it) so models started together spread."""
-    return rng.uniform(0, interval * JITTER)
