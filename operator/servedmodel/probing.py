@@ -83,6 +83,7 @@ Key = tuple[str, str]  # (namespace, name)
 
 SERVED_MODEL_KIND: Final = "ServedModel"
 INVALID_SPEC_WAIT_S: Final = 30.0
+CACHE_SYNC_S: Final = 1.0  # how often the loop compares its ServedModels with the cache's
 IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from the cache, stop requests)
 
 
@@ -458,6 +459,7 @@ class ProbeScheduler:
     # Prometheus sources with insecureSkipVerify: one client for all of them, closed with the pool.
     _insecure_http: httpx.AsyncClient | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
+    _synced: float = field(default=float("-inf"), init=False)
 
     # ---- feeding -------------------------------------------------------------------------------
 
@@ -548,9 +550,15 @@ class ProbeScheduler:
         heapq.heappush(self._heap, (due, self._seq, model.key))
 
     def _sync_from_cache(self) -> None:
+        """Follow the cache's ServedModels: new keys tracked, vanished ones forgotten. At most once per
+        CACHE_SYNC_S: the loop wakes at every cycle's end, and the key sets grow with the fleet."""
         cache = self.cache
         if cache is None or not cache.tracks(SERVED_MODEL_KIND):
             return
+        now = self.clock()
+        if now - self._synced < CACHE_SYNC_S:
+            return
+        self._synced = now
         keys = set(cache.keys(SERVED_MODEL_KIND))
         for key in keys - set(self._models):
             body = cache.get(SERVED_MODEL_KIND, *key)

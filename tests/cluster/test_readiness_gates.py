@@ -263,3 +263,5 @@ def test_one_replica_of_three_fails_and_leaves_the_endpoint_slice(
             detail=op.log,
         )
         cp.kubectl("delete", "servedmodel", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
+        # No per-object daemon any more: nothing for kopf to cancel (or escalate) at deletion.
+        assert "escalat" not in op.log().lower()

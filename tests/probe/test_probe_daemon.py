@@ -288,3 +288,44 @@ def test_stop_cancels_a_cycle_in_flight_and_nothing_is_written(faults: Simulator
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     asyncio.run(main())
+
+
+def test_scheduler_follows_the_watch_fed_cache(faults: SimulatorProcess) -> None:
+    """Fed by the controller's cache (no kopf, no track() calls): a ServedModel in the cache is probed and
+    its status written through into the cache; removed from the cache, it is forgotten."""
+    from servedmodel.k8s.cache import Cache
+
+    async def main() -> None:
+        kube = RecordingKube()
+        cache = Cache()
+        body = external("cached", faults.base_url)
+        body["metadata"]["resourceVersion"] = "1"
+        kube.objects[("ns", "cached")] = body
+        cache.apply_event("ServedModel", None, body)
+        sched = ProbeScheduler(
+            kube=kube,
+            config=OperatorConfig(),
+            metrics=ProbeMetrics(CollectorRegistry()),
+            cache=cache,
+            rng=random.Random(2),
+        )
+        await sched.start()
+        try:
+            for _ in range(100):  # the first cycle runs within 10 % of the 5 s interval
+                if kube.writes:
+                    break
+                await asyncio.sleep(0.05)
+            assert [w[1] for w in kube.writes] == ["cached"]
+            cached = cache.get("ServedModel", "ns", "cached")
+            assert cached is not None
+            assert cached["status"]["probe"]["result"] == "Success"  # written through
+            cache.remove("ServedModel", "ns", "cached")
+            for _ in range(300):  # the loop looks at the cache at least every IDLE_TICK_S (5 s)
+                if not sched.tracked():
+                    break
+                await asyncio.sleep(0.05)
+            assert sched.tracked() == []
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
