@@ -24,13 +24,26 @@ from typing import Any, Final
 import pydantic
 
 from . import scaling
-from . import status as st
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
+from .status import (
+    ApplyFailed,
+    External,
+    InvalidSpec,
+    Managed,
+    Mode,
+    Observed,
+    Problem,
+    Subject,
+    Transition,
+    compute_status,
+    status_changed,
+    transitions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +73,7 @@ class Outcome:
 
     status: dict[str, Any]
     written: bool
-    transitions: list[st.Transition] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)  # "Kind/name"
     pruned: list[str] = field(default_factory=list)
     invalid_spec: str | None = None  # permanent: retrying cannot help until the spec changes
@@ -91,7 +104,7 @@ def parse(body: Mapping[str, Any]) -> ServedModel:
 
 async def observe(
     client: KubeClient, cache: Cache, name: str, namespace: str, *, with_route: bool
-) -> st.Observed:
+) -> Observed:
     """The engine Deployment, its Pods and the Route: from the watch-fed cache (no request), from the
     API server only for a kind no watch feeds (the Route on OpenShift).
 
@@ -113,7 +126,7 @@ async def observe(
         route = cache.get("Route", namespace, names.route_name(name)) if cache.tracks("Route") else None
         if route is None and not cache.tracks("Route"):
             route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name))
-    return st.Observed(deployment=deployment, pods=pods, route=route)
+    return Observed(deployment=deployment, pods=pods, route=route)
 
 
 async def chat_template(
@@ -147,7 +160,7 @@ async def chat_template(
     return running_digest(deployment), found
 
 
-def deployment_lagging(observed: st.Observed) -> bool:
+def deployment_lagging(observed: Observed) -> bool:
     """The Deployment controller has not yet observed the Deployment's newest generation: its status
     describes the previous template (an annotation bumps the generation too, without a rollout)."""
     return observed.deployment is not None and _unobserved(observed.deployment)
@@ -249,7 +262,7 @@ async def hand_over_replicas(client: KubeClient, namespace: str, name: str, fiel
 async def observe_autoscaler(
     client: KubeClient,
     cr: ServedModel,
-    observed: st.Observed,
+    observed: Observed,
     previous: Mapping[str, Any] | None,
     *,
     keda: bool,
@@ -276,20 +289,7 @@ async def observe_autoscaler(
     )
 
 
-async def write_status(
-    client: KubeClient, config: OperatorConfig, body: Mapping[str, Any], desired: dict[str, Any]
-) -> bool:
-    """Server-side apply of the reconciler's fragment, only if it changes something; True if written."""
-    if not st.status_changed(body.get("status"), desired):
-        return False
-    meta = body["metadata"]
-    await client.apply_status(
-        API_GROUP_VERSION, PLURAL, meta.get("namespace"), meta["name"], desired, config.field_manager
-    )
-    return True
-
-
-PostEvents = Callable[[Mapping[str, Any], list[st.Transition]], Awaitable[None]]
+PostEvents = Callable[[Mapping[str, Any], list[Transition]], Awaitable[None]]
 
 
 async def finish(
@@ -299,13 +299,13 @@ async def finish(
     body: Mapping[str, Any],
     desired: dict[str, Any],
     post_events: PostEvents | None,
-) -> tuple[bool, list[st.Transition]]:
+) -> tuple[bool, list[Transition]]:
     """Write the status fragment if it changes something, posting its transitions' Events first: an
     operator that dies between the two posts them again on the next pass instead of never. The
     written object goes into the cache, so the next pass compares against it."""
-    if not st.status_changed(body.get("status"), desired):
+    if not status_changed(body.get("status"), desired):
         return False, []
-    changes = st.transitions(body.get("status"), desired)
+    changes = transitions(body.get("status"), desired)
     if post_events is not None and changes:
         await post_events(body, changes)
     meta = body["metadata"]
@@ -340,7 +340,7 @@ async def reconcile(
     generation = int(meta.get("generation") or 0)
     uid = str(meta.get("uid") or "")
     previous = body.get("status")
-    subject = st.Subject(name, namespace, generation, previous, now())
+    subject = Subject(name, namespace, generation, previous, now())
 
     invalid: str | None = None
     cr: ServedModel | None = None
@@ -375,7 +375,7 @@ async def reconcile(
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.
         observed = await observe(client, cache, name, namespace, with_route=False)
-        desired = st.compute_status(subject, st.InvalidSpec(invalid, observed))
+        desired = compute_status(subject, InvalidSpec(invalid, observed))
         written, changes = await finish(client, cache, config, body, desired, post_events)
         return Outcome(desired, written, changes, invalid_spec=invalid)
     assert cr is not None
@@ -417,9 +417,9 @@ async def reconcile(
     serving = conditions.find((previous or {}).get("conditions"), conditions.SERVING)
     serving = serving if cr.spec.probe.enabled else None
     served_model_name = cr.spec.resolved_served_model_name
-    mode: st.Mode
+    mode: Mode
     if cr.spec.endpoint is not None:
-        mode = st.External(cr.spec.endpoint, served_model_name, serving)
+        mode = External(cr.spec.endpoint, served_model_name, serving)
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
         observed = await observe(client, cache, name, namespace, with_route=with_route)
@@ -429,16 +429,16 @@ async def reconcile(
             # that brings this ServedModel back; writing now would flap Progressing and back.
             return Outcome(dict(previous or {}), False, deferred=True)
         if apply_error is not None:
-            mode = st.ApplyFailed(observed, served_model_name, *apply_error)
+            mode = ApplyFailed(observed, served_model_name, *apply_error)
         else:
             autoscaling = await observe_autoscaler(
                 client, cr, observed, previous, keda=optional.get(KEDA_API, False), cache=cache
             )
             missing = None
             if template_missing is not None:
-                missing = st.Problem(template_missing.reason, template_missing.message)
-            mode = st.Managed(observed, served_model_name, serving, autoscaling, missing)
-    desired = st.compute_status(subject, mode)
+                missing = Problem(template_missing.reason, template_missing.message)
+            mode = Managed(observed, served_model_name, serving, autoscaling, missing)
+    desired = compute_status(subject, mode)
     written, changes = await finish(client, cache, config, body, desired, post_events)
     return Outcome(
         desired,

@@ -21,7 +21,7 @@ import pytest
 from probe_support import SIM_ARGS, PrometheusServer, set_faults
 
 from servedmodel.api.probe import ProbeSpec
-from servedmodel.probe import errors as er
+from servedmodel.probe import errors
 from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
 from servedmodel.probe.prometheus import PrometheusMetrics, selector
@@ -122,14 +122,14 @@ def closed_port() -> int:
 async def test_connection_refused() -> None:
     out = await probe(f"http://127.0.0.1:{closed_port()}")
     assert out.failure is not None
-    assert out.failure.reason == er.CONNECTION_REFUSED
+    assert out.failure.reason == errors.CONNECTION_REFUSED
 
 
 @pytest.mark.usefixtures("no_dns_traffic")
 async def test_dns_failure() -> None:
     out = await probe("http://engine.probe-test.invalid:8000")
     assert out.failure is not None
-    assert out.failure.reason == er.DNS_FAILURE
+    assert out.failure.reason == errors.DNS_FAILURE
 
 
 @pytest.fixture
@@ -157,42 +157,42 @@ def full_backlog() -> Iterator[int]:
 async def test_connect_timeout(full_backlog: int) -> None:
     out = await probe(f"http://127.0.0.1:{full_backlog}", connectTimeout=0.3)
     assert out.failure is not None
-    assert out.failure.reason == er.CONNECT_TIMEOUT
+    assert out.failure.reason == errors.CONNECT_TIMEOUT
 
 
 async def test_first_byte_timeout(faults: SimulatorProcess) -> None:
     set_faults(faults, first_byte_delay_ms=3000)
     out = await probe(faults.base_url, firstByteTimeout=0.3)
     assert out.failure is not None
-    assert out.failure.reason == er.FIRST_BYTE_TIMEOUT
+    assert out.failure.reason == errors.FIRST_BYTE_TIMEOUT
 
 
 async def test_stream_stall(faults: SimulatorProcess) -> None:
     set_faults(faults, stall_after_tokens=2)
     out = await probe(faults.base_url, firstByteTimeout=0.5)
     assert out.failure is not None
-    assert out.failure.reason == er.STREAM_STALLED
+    assert out.failure.reason == errors.STREAM_STALLED
 
 
 async def test_total_timeout(faults: SimulatorProcess) -> None:
     set_faults(faults, stall_after_tokens=2)
     out = await probe(faults.base_url, timeout=1, firstByteTimeout=30)
     assert out.failure is not None
-    assert out.failure.reason == er.PROBE_TIMEOUT
+    assert out.failure.reason == errors.PROBE_TIMEOUT
 
 
 async def test_server_error_status(faults: SimulatorProcess) -> None:
     set_faults(faults, error_rate=1.0, error_status=500)
     out = await probe(faults.base_url)
     assert out.failure is not None
-    assert out.failure.reason == er.UNEXPECTED_STATUS
+    assert out.failure.reason == errors.UNEXPECTED_STATUS
     assert "500" in out.failure.message
 
 
 async def test_wrong_model_is_not_served(faults: SimulatorProcess) -> None:
     out = await probe(faults.base_url, model="llama")
     assert out.failure is not None
-    assert out.failure.reason == er.MODEL_NOT_SERVED
+    assert out.failure.reason == errors.MODEL_NOT_SERVED
     assert "qwen" in out.failure.message
 
 
@@ -200,28 +200,28 @@ async def test_chat_404_is_model_not_served(faults: SimulatorProcess) -> None:
     set_faults(faults, error_rate=1.0, error_status=404)
     out = await probe(faults.base_url)
     assert out.failure is not None
-    assert out.failure.reason == er.MODEL_NOT_SERVED
+    assert out.failure.reason == errors.MODEL_NOT_SERVED
 
 
 async def test_malformed_chunk(faults: SimulatorProcess) -> None:
     set_faults(faults, malformed_chunk_rate=1.0)
     out = await probe(faults.base_url)
     assert out.failure is not None
-    assert out.failure.reason == er.MALFORMED_STREAM
+    assert out.failure.reason == errors.MALFORMED_STREAM
 
 
 async def test_stream_cut_before_done(faults: SimulatorProcess) -> None:
     set_faults(faults, drop_after_tokens=2)
     out = await probe(faults.base_url)
     assert out.failure is not None
-    assert out.failure.reason == er.STREAM_CUT
+    assert out.failure.reason == errors.STREAM_CUT
 
 
 async def test_dead_engine(faults: SimulatorProcess) -> None:
     set_faults(faults, dead=True)
     out = await probe(faults.base_url)
     assert out.failure is not None
-    assert out.failure.reason == er.ENGINE_UNHEALTHY
+    assert out.failure.reason == errors.ENGINE_UNHEALTHY
 
 
 async def test_template_mismatch_fails_template_check(faults: SimulatorProcess) -> None:
@@ -408,7 +408,7 @@ async def test_api_key_is_sent_and_never_written(caplog: pytest.LogCaptureFixtur
                 metrics=PodMetrics(client, [sim.base_url], "qwen"),
             )
     assert denied.failure is not None
-    assert denied.failure.reason == er.UNAUTHORIZED
+    assert denied.failure.reason == errors.UNAUTHORIZED
     assert ok.failure is None, ok.failure
     for out in (denied, ok):
         dumped = json.dumps(build_status(out, spec, None).model_dump(by_alias=True))
@@ -475,6 +475,6 @@ async def test_prometheus_source(faults: SimulatorProcess, prometheus: Prometheu
     # another namespace's series are not this model's
     async with httpx.AsyncClient(trust_env=False) as http:
         other = PrometheusMetrics(http, prometheus.base_url, model="qwen", namespace="elsewhere")
-        with pytest.raises(er.ProbeFailure) as failed:
+        with pytest.raises(errors.ProbeFailure) as failed:
             await other.snapshot()
-    assert failed.value.reason == er.NO_READY_ENDPOINTS
+    assert failed.value.reason == errors.NO_READY_ENDPOINTS

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from servedmodel.api.probe import ProbeSpec
-from servedmodel.probe import errors as er
+from servedmodel.probe import errors
 from servedmodel.probe.client import ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
 
@@ -130,7 +130,7 @@ async def test_html_models_is_malformed_response(odd_server: tuple[str, Odd]) ->
     odd.models_html = True
     out = await probe(url)
     assert out.failure is not None
-    assert out.failure.reason == er.MALFORMED_RESPONSE
+    assert out.failure.reason == errors.MALFORMED_RESPONSE
 
 
 async def test_json_instead_of_stream_is_malformed_stream(odd_server: tuple[str, Odd]) -> None:
@@ -138,4 +138,4 @@ async def test_json_instead_of_stream_is_malformed_stream(odd_server: tuple[str,
     odd.json_instead_of_stream = True
     out = await probe(url)
     assert out.failure is not None
-    assert out.failure.reason == er.MALFORMED_STREAM
+    assert out.failure.reason == errors.MALFORMED_STREAM

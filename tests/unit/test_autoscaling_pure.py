@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from servedmodel import scaling
-from servedmodel import status as st
 from servedmodel.api import ServedModel
 from servedmodel.render import RenderContext, RenderError, render
 from servedmodel.render.autoscaling import hpa_metrics, keda_triggers, quantity
+from servedmodel.status import Managed, Observed, Subject, compute_status, status_changed
 
 AUTO = {"minReplicas": 1, "maxReplicas": 4, "targets": {"waitingRequestsPerReplica": 2}}
 PROM = {"url": "http://prometheus.monitoring.svc:9090"}
@@ -263,8 +263,8 @@ def test_status_at_zero_and_the_reconcilers_conditions() -> None:
     )
     assert auto["reason"] == scaling.SCALED_TO_ZERO
     assert "KEDA" in auto["message"]
-    subject = st.Subject("qwen", "ai", 1, None, "2026-12-01T10:00:00Z")
-    out = st.compute_status(subject, st.Managed(st.Observed(deployment=dep), "qwen", None, auto))
+    subject = Subject("qwen", "ai", 1, None, "2026-12-01T10:00:00Z")
+    out = compute_status(subject, Managed(Observed(deployment=dep), "qwen", None, auto))
     assert out["autoscaling"] == auto
     ready = next(c for c in out["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
@@ -275,8 +275,8 @@ def test_status_at_zero_and_the_reconcilers_conditions() -> None:
 
 def test_status_changed_sees_status_autoscaling() -> None:
     before = {"autoscaling": {"desiredReplicas": 1}}
-    assert st.status_changed(before, {"autoscaling": {"desiredReplicas": 3}})
-    assert not st.status_changed(before, {"autoscaling": {"desiredReplicas": 1}})
+    assert status_changed(before, {"autoscaling": {"desiredReplicas": 3}})
+    assert not status_changed(before, {"autoscaling": {"desiredReplicas": 1}})
 
 
 def test_probe_conditions_at_zero_keep_the_others() -> None:

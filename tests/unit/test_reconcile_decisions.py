@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from servedmodel import status as st
 from servedmodel.k8s import Cache
 from servedmodel.reconcile import deployment_lagging, differs, why_apply
+from servedmodel.status import Observed
 
 
 def deployment(**spec: Any) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def test_deployment_lagging() -> None:
     dep = deployment()
     dep["metadata"]["generation"] = 3
     dep["status"] = {"observedGeneration": 2}
-    assert deployment_lagging(st.Observed(deployment=dep))
+    assert deployment_lagging(Observed(deployment=dep))
     dep["status"]["observedGeneration"] = 3
-    assert not deployment_lagging(st.Observed(deployment=dep))
-    assert not deployment_lagging(st.Observed())
+    assert not deployment_lagging(Observed(deployment=dep))
+    assert not deployment_lagging(Observed())

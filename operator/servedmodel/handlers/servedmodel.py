@@ -22,11 +22,11 @@ from typing import Any, Final
 
 import kopf
 
-from servedmodel import reconcile as rc
-from servedmodel import status as st
 from servedmodel.api import API_GROUP, API_GROUP_VERSION, API_VERSION, PLURAL, conditions, names
 from servedmodel.controller import Controller, Result
 from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
+from servedmodel.reconcile import LEGACY_ANNOTATION_PREFIX, LEGACY_FINALIZER, reconcile
+from servedmodel.status import RECONCILER_FIELDS, Transition
 
 from .metrics import RECONCILE_DURATION, RECONCILE_TOTAL, STATUS_WRITES_TOTAL
 from .startup import operator_config
@@ -68,7 +68,7 @@ def _inputs(obj: Mapping[str, Any] | None) -> Any:
         meta.get("annotations"),
         meta.get("deletionTimestamp"),
         meta.get("finalizers"),
-        {k: status.get(k) for k in st.RECONCILER_FIELDS},
+        {k: status.get(k) for k in RECONCILER_FIELDS},
         [c for c in status.get("conditions") or [] if c.get("type") in conditions.RECONCILER_CONDITIONS],
         (serving.get("status"), serving.get("reason"), serving.get("message")),
     )
@@ -133,14 +133,14 @@ async def remove_legacy_bookkeeping(client: KubeClient, cache: Cache, body: Mapp
     stale = [
         k
         for k, v in (meta.get("annotations") or {}).items()
-        if k.startswith(rc.LEGACY_ANNOTATION_PREFIX)
+        if k.startswith(LEGACY_ANNOTATION_PREFIX)
         and (k.endswith("last-handled-configuration") or (isinstance(v, str) and '"started"' in v))
     ]
-    if rc.LEGACY_FINALIZER not in finalizers and not stale:
+    if LEGACY_FINALIZER not in finalizers and not stale:
         return False
     patch: dict[str, Any] = {"metadata": {"resourceVersion": meta.get("resourceVersion")}}
-    if rc.LEGACY_FINALIZER in finalizers:
-        patch["metadata"]["finalizers"] = [f for f in finalizers if f != rc.LEGACY_FINALIZER]
+    if LEGACY_FINALIZER in finalizers:
+        patch["metadata"]["finalizers"] = [f for f in finalizers if f != LEGACY_FINALIZER]
     if stale:
         patch["metadata"]["annotations"] = dict.fromkeys(stale)
     namespace, name = _key(body)
@@ -165,18 +165,18 @@ async def reconcile_key(memo: Any, key: tuple[str, str]) -> Result | None:
     if await remove_legacy_bookkeeping(client, cache, body):
         body = cache.get(SERVED_MODEL, namespace, name) or body
 
-    async def post_event(involved: Mapping[str, Any], t: st.Transition) -> None:
+    async def post_event(involved: Mapping[str, Any], t: Transition) -> None:
         try:
             await client.create_event(dict(involved), type=t.type, reason=t.reason, message=t.message)
         except ApiError as e:  # an Event is not worth failing the pass for
             log.warning("[%s/%s] could not post Event %s: %s", namespace, name, t.reason, e)
 
-    async def post_events(involved: Mapping[str, Any], changes: list[st.Transition]) -> None:
+    async def post_events(involved: Mapping[str, Any], changes: list[Transition]) -> None:
         await asyncio.gather(*(post_event(involved, t) for t in changes))
 
     started = time.monotonic()
     try:
-        outcome = await rc.reconcile(client, body, config, cache=cache, post_events=post_events)
+        outcome = await reconcile(client, body, config, cache=cache, post_events=post_events)
     except NotFoundError:
         return None  # deleted under us (the status write found nothing)
     except Exception:

@@ -26,8 +26,18 @@ import httpx
 
 from servedmodel.api.probe import ProbeCheck, ProbeSpec
 
-from . import checks as ck
-from . import errors as er
+from . import errors
+from .checks import (
+    LearnedStop,
+    check_limits,
+    check_stop,
+    check_streaming,
+    check_template,
+    check_usage,
+    family_of,
+    pick_stop_string,
+    skipped,
+)
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
@@ -87,17 +97,19 @@ class PodMetrics:
         try:
             r = await self.client.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S)
         except httpx.TransportError as exc:
-            raise er.classify_transport_error(exc, "GET /metrics") from None
+            raise errors.classify_transport_error(exc, "GET /metrics") from None
         if r.status_code != 200:
-            raise er.classify_status(r.status_code, r.content, "GET /metrics")
+            raise errors.classify_status(r.status_code, r.content, "GET /metrics")
         try:
             return parse_metrics(r.text, self.model)
         except ValueError as exc:
-            raise ProbeFailure(er.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}") from None
+            raise ProbeFailure(
+                errors.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}"
+            ) from None
 
     async def snapshot(self) -> MetricsSnapshot:
         if not self.urls:
-            raise ProbeFailure(er.NO_READY_ENDPOINTS, "no ready engine pod to scrape")
+            raise ProbeFailure(errors.NO_READY_ENDPOINTS, "no ready engine pod to scrape")
         snaps = await gather_or_cancel(*(self._one(u) for u in self.urls))
         out = combine(snaps)
         assert out is not None
@@ -137,7 +149,7 @@ class ProbeOutcome:
     metrics_error: str | None = None
     body: dict[str, Any] | None = None  # the first chat request sent (nonce included; no secrets)
     delivery: Delivery | None = None
-    learned_stop: ck.LearnedStop | None = None
+    learned_stop: LearnedStop | None = None
     cached_prompt_tokens: int | None = None  # prefix-cache hits of the probe's prompt(s)
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
 
@@ -168,14 +180,14 @@ async def _call(step: str, coro: Awaitable[httpx.Response]) -> httpx.Response:
     try:
         return await coro
     except httpx.TransportError as exc:
-        raise er.classify_transport_error(exc, step) from None
+        raise errors.classify_transport_error(exc, step) from None
 
 
 def _json(r: httpx.Response, step: str) -> Any:
     try:
         return r.json()
     except ValueError:
-        raise ProbeFailure(er.MALFORMED_RESPONSE, f"{step}: body is not JSON: {r.text[:80]!r}") from None
+        raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{step}: body is not JSON: {r.text[:80]!r}") from None
 
 
 async def door(
@@ -184,22 +196,24 @@ async def door(
     """/health answers 200, /v1/models lists the model; read max_model_len."""
     r = await _call("GET /health", client.get(f"{base}/health"))
     if r.status_code == 503:
-        raise ProbeFailure(er.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
+        raise ProbeFailure(errors.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
     if r.status_code != 200 and r.status_code != 404:  # 404: an OpenAI-compatible server without /health
-        raise er.classify_status(r.status_code, r.content, "GET /health")
+        raise errors.classify_status(r.status_code, r.content, "GET /health")
     r = await _call("GET /v1/models", client.get(f"{base}/v1/models", headers=_auth(api_key)))
     if r.status_code != 200:
-        raise er.classify_status(r.status_code, r.content, "GET /v1/models")
+        raise errors.classify_status(r.status_code, r.content, "GET /v1/models")
     doc = _json(r, "GET /v1/models")
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
-        raise ProbeFailure(er.MALFORMED_RESPONSE, "GET /v1/models: no data list of models")
+        raise ProbeFailure(errors.MALFORMED_RESPONSE, "GET /v1/models: no data list of models")
     ids = [str(m["id"]) for m in data]
     if not ids:
-        raise ProbeFailure(er.MODEL_NOT_SERVED, "GET /v1/models: no model is served")
+        raise ProbeFailure(errors.MODEL_NOT_SERVED, "GET /v1/models: no model is served")
     chosen = model if model is not None else ids[0]
     if chosen not in ids:
-        raise ProbeFailure(er.MODEL_NOT_SERVED, f"model {chosen!r} is not listed; served: {', '.join(ids)}")
+        raise ProbeFailure(
+            errors.MODEL_NOT_SERVED, f"model {chosen!r} is not listed; served: {', '.join(ids)}"
+        )
     entry = data[ids.index(chosen)]
     out.model = chosen
     out.model_root = str(entry.get("root")) if entry.get("root") else None
@@ -244,7 +258,7 @@ async def tokenize(
     }
     r = await _call("POST /tokenize", client.post(f"{base}/tokenize", json=body, headers=_auth(api_key)))
     if r.status_code != 200:
-        out.tokenize_error = f"POST /tokenize: HTTP {r.status_code}: {er.error_message_of(r.content)}"
+        out.tokenize_error = f"POST /tokenize: HTTP {r.status_code}: {errors.error_message_of(r.content)}"
         return
     try:
         doc = r.json()
@@ -282,12 +296,12 @@ def chat_body(
 
 async def learned_stop_request(
     client: httpx.AsyncClient, base: str, body: dict[str, Any], first: StreamTiming, api_key: str | None
-) -> ck.LearnedStop:
+) -> LearnedStop:
     """The first answer again, non-streamed, with a stop string learned from it (see checks.LearnedStop)."""
     n1 = first.usage.get("completion_tokens") if first.usage else None
-    picked = ck.pick_stop_string(first.content, body.get("stop") or ())
+    picked = pick_stop_string(first.content, body.get("stop") or ())
     if picked is None:
-        return ck.LearnedStop(None, first=first.content, first_tokens=n1)
+        return LearnedStop(None, first=first.content, first_tokens=n1)
     stop, offset = picked
     again = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     again["stop"] = [stop]
@@ -296,8 +310,8 @@ async def learned_stop_request(
         client.post(f"{base}/v1/chat/completions", json=again, headers=_auth(api_key)),
     )
     if r.status_code != 200:
-        err = f"HTTP {r.status_code}: {er.error_message_of(r.content)}"
-        return ck.LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
+        err = f"HTTP {r.status_code}: {errors.error_message_of(r.content)}"
+        return LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
     try:
         doc = r.json()
         choice = doc["choices"][0]
@@ -305,10 +319,10 @@ async def learned_stop_request(
         usage = doc.get("usage") or {}
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         err = f"malformed answer {r.text[:80]!r}"
-        return ck.LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
+        return LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
     sr = choice.get("stop_reason")
     ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return ck.LearnedStop(
+    return LearnedStop(
         stop,
         offset,
         first.content,
@@ -348,7 +362,7 @@ async def stream_chat(
     try:
         response = await client.send(request, stream=True)
     except httpx.TransportError as exc:
-        raise er.classify_transport_error(exc, step) from None
+        raise errors.classify_transport_error(exc, step) from None
     now = clock()
     timing.sent_ns = marks.get("send_request_headers", timing.sent_ns)
     timing.headers_ns = marks.get("receive_response_headers", now)
@@ -358,10 +372,12 @@ async def stream_chat(
                 content = await response.aread()
             except httpx.TransportError:
                 content = b""
-            raise er.classify_status(response.status_code, content, step)
+            raise errors.classify_status(response.status_code, content, step)
         ctype = response.headers.get("content-type", "")
         if "text/event-stream" not in ctype:
-            raise ProbeFailure(er.MALFORMED_STREAM, f"{step}: content-type {ctype!r}, not an event stream")
+            raise ProbeFailure(
+                errors.MALFORMED_STREAM, f"{step}: content-type {ctype!r}, not an event stream"
+            )
         decoder = SSEDecoder()
         try:
             async for chunk in response.aiter_raw():
@@ -369,16 +385,20 @@ async def stream_chat(
                 for data in decoder.feed(chunk):
                     timing.on_event(data, t)
         except httpx.TransportError as exc:
-            raise er.classify_transport_error(exc, step, streaming=True) from None
+            raise errors.classify_transport_error(exc, step, streaming=True) from None
         t = clock()
         for data in decoder.close():
             timing.on_event(data, t)
     finally:
         await response.aclose()
     if not timing.done:
-        raise ProbeFailure(er.STREAM_CUT, f"{step}: stream ended before [DONE] after {timing.events} events")
+        raise ProbeFailure(
+            errors.STREAM_CUT, f"{step}: stream ended before [DONE] after {timing.events} events"
+        )
     if not timing.content_ns:
-        raise ProbeFailure(er.NO_CONTENT, f"{step}: stream finished ({timing.finish_reason}) with no content")
+        raise ProbeFailure(
+            errors.NO_CONTENT, f"{step}: stream finished ({timing.finish_reason}) with no content"
+        )
     return timing
 
 
@@ -420,7 +440,7 @@ async def limits_request(
         "POST /v1/chat/completions (oversized)",
         client.post(f"{base}/v1/chat/completions", json=body, headers=_auth(api_key)),
     )
-    return r.status_code, er.error_message_of(r.content)
+    return r.status_code, errors.error_message_of(r.content)
 
 
 async def run_probe(
@@ -458,7 +478,7 @@ async def run_probe(
     except ProbeFailure as f:
         out.failure = f
     except TimeoutError:
-        out.failure = ProbeFailure(er.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
+        out.failure = ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
     if out.timings:
         out.figures = _median_figures([client_figures(t) for t in out.timings])
     # Metrics after the window, even after a failure (the scheduler snapshot is still useful).
@@ -497,12 +517,12 @@ async def _limits_check(
         except TimeoutError:
             error = f"no answer within {spec.timeout:g} s"
     if spec.check_limits and out.max_model_len is not None and out.max_model_len > LIMITS_MAX_TOKENS:
-        out.checks["limits"] = ck.skipped(
+        out.checks["limits"] = skipped(
             "MaxModelLenTooLarge",
             f"max_model_len {out.max_model_len} > {LIMITS_MAX_TOKENS}: prompt too heavy",
         )
         return
-    out.checks["limits"] = ck.check_limits(spec.check_limits, out.max_model_len, status, message, error)
+    out.checks["limits"] = check_limits(spec.check_limits, out.max_model_len, status, message, error)
 
 
 async def _learned_stop(
@@ -520,9 +540,9 @@ async def _learned_stop(
         async with asyncio.timeout(spec.timeout):
             out.learned_stop = await learned_stop_request(client, base, out.body, t, api_key)
     except ProbeFailure as f:
-        out.learned_stop = ck.LearnedStop("?", first=t.content, error=f.message)
+        out.learned_stop = LearnedStop("?", first=t.content, error=f.message)
     except TimeoutError:
-        out.learned_stop = ck.LearnedStop("?", first=t.content, error=f"no answer within {spec.timeout:g} s")
+        out.learned_stop = LearnedStop("?", first=t.content, error=f"no answer within {spec.timeout:g} s")
 
 
 def _server_phase(out: ProbeOutcome, name: str) -> float | None:
@@ -551,15 +571,15 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     verdicts = [delivery(client_figures(x), decode, tpot) for x in out.timings]
     out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
     out.cached_prompt_tokens = _cached_prompt_tokens(out)
-    out.checks["streaming"] = ck.check_streaming(out.delivery)
+    out.checks["streaming"] = check_streaming(out.delivery)
     usage_prompt = t.usage.get("prompt_tokens") if t.usage else None
-    family = ck.family_of(out.model, out.model_root)
+    family = family_of(out.model, out.model_root)
     roles = [m.role for m in spec.messages]
-    out.checks["template"] = ck.check_template(
+    out.checks["template"] = check_template(
         family, out.rendered, roles, out.tokenize_count, usage_prompt, tokenize_error=out.tokenize_error
     )
-    out.checks["stop"] = ck.check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason, out.learned_stop)
-    out.checks["usage"] = ck.check_usage(t.usage, len(t.token_ns), len(out.timings), out.window, out.isolated)
+    out.checks["stop"] = check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason, out.learned_stop)
+    out.checks["usage"] = check_usage(t.usage, len(t.token_ns), len(out.timings), out.window, out.isolated)
 
 
 @contextlib.asynccontextmanager

@@ -39,18 +39,18 @@ from servedmodel.api.conditions import (
 )
 from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus
 
-from . import errors as er
+from . import errors
 from .client import ProbeOutcome
 from .metrics import MetricsSnapshot, combine, delta
 from .report import rfc3339
 
 MIN_STALL_WINDOW_S: Final = 1.0
 # The probe's own chat got no token in time: together with a flat generation counter, a stall.
-NO_TOKEN_REASONS: Final = frozenset({er.FIRST_BYTE_TIMEOUT, er.STREAM_STALLED, er.PROBE_TIMEOUT})
+NO_TOKEN_REASONS: Final = frozenset({errors.FIRST_BYTE_TIMEOUT, errors.STREAM_STALLED, errors.PROBE_TIMEOUT})
 KV_PRESSURE_USAGE: Final = 0.9
 # Failures on the operator's side (it could not read a Secret): they say nothing about the pod, so its
 # readiness gate keeps what it had.
-OPERATOR_SIDE: Final = frozenset({er.SECRET_UNAVAILABLE})
+OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE})
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class PodResult:
     def reason(self) -> str:
         if self.stalled is not None:
             return ENGINE_STALLED
-        return er.SERVING if self.outcome.failure is None else self.outcome.failure.reason
+        return errors.SERVING if self.outcome.failure is None else self.outcome.failure.reason
 
     @property
     def message(self) -> str:
@@ -186,7 +186,7 @@ def aggregate(results: Sequence[PodResult]) -> ProbeOutcome:
     out = dataclasses.replace(base)
     if not serving:
         first = results[0]
-        out.failure = er.ProbeFailure(first.reason, first.message)
+        out.failure = errors.ProbeFailure(first.reason, first.message)
     figs = [r.outcome.figures for r in serving if r.outcome.figures is not None]
     if len(figs) > 1:
         out.figures = dataclasses.replace(

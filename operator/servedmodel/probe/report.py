@@ -31,7 +31,7 @@ from servedmodel.api.probe import (
     ServerLatency,
 )
 
-from . import errors as er
+from . import errors
 from .client import ProbeOutcome
 from .metrics import MetricsSnapshot
 from .sse import ClientFigures, percentile
@@ -250,7 +250,7 @@ def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | Non
     return ProbeStatus(
         last_probe_time=rfc3339(now),
         result="Success" if out.ok else "Failure",
-        reason=er.SERVING if out.failure is None else out.failure.reason,
+        reason=errors.SERVING if out.failure is None else out.failure.reason,
         message=_message(out, server, checks),
         endpoint=out.endpoint,
         model=out.model,
