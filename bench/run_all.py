@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["sim_throughput.py", "probe_accuracy.py", "operator_reconcile.py"]
+BENCHES = ["sim_throughput.py", "probe_accuracy.py", "operator_reconcile.py", "replica_fault.py"]
 
 
 def main() -> int:
