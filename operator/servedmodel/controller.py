@@ -33,9 +33,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
+from .api.base import Key
+
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # (namespace, name)
 
 RESYNC_SPREAD_MAX_S: Final = 30.0
 

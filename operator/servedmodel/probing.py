@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from . import scaling
 from .api import API_GROUP_VERSION, PLURAL
+from .api.base import Key, Obj
 from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, SERVING
 from .api.conditions import find as find_condition
 from .api.names import selector_labels, selector_string, service_name
@@ -49,7 +50,7 @@ from .api.probe import ProbeSpec, ProbeStatus
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, NotFoundError
-from .probe import errors as er
+from .probe import errors
 from .probe.client import MetricsReader, PodMetrics, ProbeOutcome, http_timeout, run_probe
 from .probe.endpoints import (
     ProbeTarget,
@@ -78,8 +79,6 @@ from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
 
 log = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
-Key = tuple[str, str]  # (namespace, name)
 
 SERVED_MODEL_KIND: Final = "ServedModel"
 INVALID_SPEC_WAIT_S: Final = 30.0
@@ -308,18 +307,8 @@ def containers_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     if status.get("phase") != "Running" or not status.get("podIP"):
         return False
-    return any(
-        isinstance(c, Mapping) and c.get("type") == "ContainersReady" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
-
-
-def engine_ready(spec: ServedModelSpec, status: Mapping[str, Any]) -> bool:
-    """Probe once the reconciler saw a ready engine (or always, in external mode). Degraded with a ready
-    replica still probes: the probe is how Degraded-by-probe recovers."""
-    if spec.external:
-        return True
-    return status.get("phase") == "Ready" or (status.get("readyReplicas") or 0) >= 1
+    ready = find_condition(status.get("conditions"), "ContainersReady")
+    return ready is not None and ready.get("status") == "True"
 
 
 def previous_probe_status(
@@ -429,7 +418,6 @@ class CycleResult:
     written: bool = False
     outcome: ProbeOutcome | None = None
     status: ProbeStatus | None = None
-    serving_changed: bool = False
     next_delay_s: float = 0.0
     skipped: str = ""  # why nothing was probed: disabled, not-ready, invalid-spec, gone, deleting
     pods: list[PodResult] = field(default_factory=list)
@@ -672,10 +660,10 @@ class ProbeScheduler:
             if plan.targets:
                 probed = await self._probe_pods(model, spec, plan.targets)
                 out = aggregate(probed)
-            elif previous is not None and previous.reason != er.NO_READY_ENDPOINTS:
+            elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
                 # It served before and now no pod can be probed: say so once, then wait quietly.
                 now = datetime.now(UTC)
-                failure = ProbeFailure(er.NO_READY_ENDPOINTS, plan.why)
+                failure = ProbeFailure(errors.NO_READY_ENDPOINTS, plan.why)
                 out = ProbeOutcome(endpoint="", started=now, ended=now, failure=failure)
             else:
                 return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
@@ -726,10 +714,8 @@ class ProbeScheduler:
             self._write_through(SERVED_MODEL_KIND, written)
         self.metrics.status_writes.labels(namespace, name).inc()
         result.written = True
-        if before != after:
-            result.serving_changed = True
-            if self.enqueue is not None:
-                self.enqueue(namespace, name)
+        if before != after and self.enqueue is not None:  # Serving changed: phase/Degraded follow
+            self.enqueue(namespace, name)
         return result
 
     # ---- managed mode: every engine pod at its own address -----------------------------------
@@ -844,7 +830,7 @@ class ProbeScheduler:
         conditions = list(patch["conditions"])
         for c in conditions:
             if c.get("type") == "Serving":
-                c["reason"] = "ChatCompletionSucceeded" if new.reason == er.SERVING else new.reason
+                c["reason"] = "ChatCompletionSucceeded" if new.reason == errors.SERVING else new.reason
                 c["message"] = (new.message or "")[:1000]
         existing = status.get("conditions") or []
         now = datetime.now(UTC)
@@ -962,7 +948,7 @@ class ProbeScheduler:
         if isinstance(written, dict) and written.get("metadata"):
             model.body = written
         self.metrics.status_writes.labels(namespace, name).inc()
-        result.written = result.serving_changed = True
+        result.written = True
         if self.enqueue is not None:
             self.enqueue(namespace, name)
         return result
@@ -973,11 +959,11 @@ class ProbeScheduler:
             secret = await self.kube.get("v1", "secrets", namespace, ref.name)
         except ApiError as exc:
             raise ProbeFailure(
-                er.SECRET_UNAVAILABLE, f"Secret {ref.name}: {exc.status} {exc.reason}"
+                errors.SECRET_UNAVAILABLE, f"Secret {ref.name}: {exc.status} {exc.reason}"
             ) from None
         data = (secret or {}).get("data") or {}
         if ref.key not in data:
-            raise ProbeFailure(er.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
+            raise ProbeFailure(errors.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
         return base64.b64decode(data[ref.key]).decode("utf-8").strip()
 
     async def _target(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeTarget:
@@ -997,13 +983,13 @@ class ProbeScheduler:
             )
         except ApiError as exc:
             raise ProbeFailure(
-                er.NO_READY_ENDPOINTS, f"reading Service {svc_name}: {exc.status} {exc.reason}"
+                errors.NO_READY_ENDPOINTS, f"reading Service {svc_name}: {exc.status} {exc.reason}"
             ) from None
         if service is None:
-            raise ProbeFailure(er.NO_READY_ENDPOINTS, f"Service {svc_name} does not exist")
+            raise ProbeFailure(errors.NO_READY_ENDPOINTS, f"Service {svc_name} does not exist")
         target = resolve_managed(service, slices)
         if not target.metrics_urls:
-            raise ProbeFailure(er.NO_READY_ENDPOINTS, f"Service {svc_name} has no ready engine pod")
+            raise ProbeFailure(errors.NO_READY_ENDPOINTS, f"Service {svc_name} has no ready engine pod")
         return target
 
     async def _metrics_reader(

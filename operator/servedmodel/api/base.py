@@ -15,6 +15,8 @@ SHORT_NAMES = ["sm"]
 
 # A Kubernetes object as JSON: what the API server returns, the watch-fed cache holds and render builds.
 Obj = dict[str, Any]
+# (namespace, name) of a namespaced object: the key of the work queue, the cache and the probe scheduler.
+Key = tuple[str, str]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:

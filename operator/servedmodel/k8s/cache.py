@@ -37,8 +37,8 @@ import builtins
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
-Obj = dict[str, Any]
-Key = tuple[str, str]  # (namespace, name)
+from servedmodel.api.base import Key, Obj
+
 EventType = Literal["ADDED", "MODIFIED", "DELETED"] | str | None
 
 SERVED_MODEL: Final = "ServedModel"

@@ -39,12 +39,13 @@ from lightkube.generic_resource import (
 )
 from lightkube.types import CascadeType, PatchType
 
+from servedmodel.api.base import Obj
+
 from .identity import Identity, load_identity
 
 log = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
-ObjList = list[dict[str, Any]]
+ObjList = list[Obj]
 T = TypeVar("T")
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
