@@ -58,7 +58,6 @@ class ControllerStats:
 
     reconciles: int = 0
     failures: int = 0
-    retries_scheduled: int = 0
     resyncs: int = 0
     enqueued: int = 0
 
@@ -288,7 +287,6 @@ class Controller:
         except Exception as e:
             self.stats.failures += 1
             delay = self.backoff.next_delay(key)
-            self.stats.retries_scheduled += 1
             failures = self.backoff.failures(key)
             # A bug shows its traceback once; a recurring API error is one line per retry.
             self.log.log(

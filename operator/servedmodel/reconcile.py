@@ -285,7 +285,7 @@ async def observe_autoscaler(
         hpa_name=hpa,
         hpa=found,
         deployment=observed.deployment,
-        previous=before if isinstance(before, Mapping) else None,
+        previous=before if isinstance(before, dict) else None,
     )
 
 

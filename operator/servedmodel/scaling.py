@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from .api import conditions
+from .api.base import Obj
 from .api.spec import ServedModelSpec
-
-Obj = Mapping[str, Any]
 
 HANDOVER_MANAGER: Final = "servedmodel-replicas-handover"
 SCALED_TO_ZERO: Final = "ScaledToZero"
@@ -162,10 +161,3 @@ def scaled_to_zero_conditions(existing: Any, generation: int | None, now: str) -
         if old is not None:
             out.append(dict(old))
     return out
-
-
-def ttft_p95_seconds(status: Obj | None) -> float | None:
-    """The probe's rolling-window TTFT p95 (status.probe.window.ttftP95Ms), seconds."""
-    window = (((status or {}).get("probe") or {}).get("window")) or {}
-    value = window.get("ttftP95Ms") if isinstance(window, Mapping) else None
-    return float(value) / 1000 if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -17,14 +17,14 @@ import yaml
 import controlplane
 from servedmodel.api import API_GROUP_VERSION, PLURAL
 from servedmodel.config import FIELD_MANAGER, PROBE_FIELD_MANAGER
-from servedmodel.k8s import ConflictError, KubeClient
+from servedmodel.k8s import ConflictError, KubeClient, load_identity
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
 async def client(control_plane: controlplane.ControlPlane) -> AsyncIterator[KubeClient]:
-    async with KubeClient.from_environment(str(control_plane.kubeconfig)) as c:
+    async with KubeClient(load_identity(str(control_plane.kubeconfig))) as c:
         yield c
 
 
@@ -141,7 +141,12 @@ async def test_endpoint_slices_and_events(client: KubeClient, namespace: str) ->
     deadline = time.monotonic() + 60.0
     slices: list[dict[str, Any]] = []
     while not slices:  # the EndpointSlice controller (controller-manager) creates one, empty
-        slices = await client.list_endpoint_slices(namespace, "engine")
+        slices = await client.list(
+            "discovery.k8s.io/v1",
+            "endpointslices",
+            namespace,
+            label_selector={"kubernetes.io/service-name": "engine"},
+        )
         assert time.monotonic() < deadline, "no EndpointSlice for the Service"
         await asyncio.sleep(0.2)
     assert slices[0]["metadata"]["labels"]["kubernetes.io/service-name"] == "engine"

@@ -296,5 +296,3 @@ def test_probe_conditions_at_zero_keep_the_others() -> None:
         ("TemplateOK", "True", "Pass"),
     ]
     assert out[0]["lastTransitionTime"] == "t1"
-    assert scaling.ttft_p95_seconds({"probe": {"window": {"ttftP95Ms": 250.0}}}) == 0.25
-    assert scaling.ttft_p95_seconds({}) is None

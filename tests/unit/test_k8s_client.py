@@ -238,7 +238,12 @@ async def test_list_follows_pages_and_selects(
     api.on("GET", "/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices", (200, {"items": [slice_]}))
     async with client_for() as client:
         pods = await client.list("v1", "pods", "ns1", label_selector="app=m1,tier")
-        slices = await client.list_endpoint_slices("ns1", "m1")
+        slices = await client.list(
+            "discovery.k8s.io/v1",
+            "endpointslices",
+            "ns1",
+            label_selector={"kubernetes.io/service-name": "m1"},
+        )
     assert [p["metadata"]["name"] for p in pods] == ["a", "b"]
     assert slices[0]["addressType"] == "IPv4"
     assert api.seen[0].query == {"limit": "500", "labelSelector": "app=m1,tier"}

@@ -41,7 +41,7 @@ from lightkube.types import CascadeType, PatchType
 
 from servedmodel.api.base import Obj
 
-from .identity import Identity, load_identity
+from .identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class _AuthTransport(httpx.AsyncBaseTransport):
 
 
 class KubeClient:
-    """Async client for one API server. Use `KubeClient.from_environment()`; close with `aclose()`.
+    """Async client for one API server: `KubeClient(load_identity(kubeconfig))`; close with `aclose()`.
 
     Safe to share between tasks (one connection pool); the operator keeps one in kopf's memo.
     """
@@ -257,11 +257,6 @@ class KubeClient:
         for r in KNOWN_RESOURCES:
             self.register(r)
         self._discovery: dict[str, tuple[float, bool]] = {}
-
-    @classmethod
-    def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
-        """Identity from `kubeconfig`, $KUBECONFIG, the pod's service account or ~/.kube/config."""
-        return cls(load_identity(kubeconfig), **kwargs)
 
     @property
     def server(self) -> str:
@@ -417,15 +412,6 @@ class KubeClient:
 
         return await self._call(f"LIST {r.kind} {namespace or '*'}", call)
 
-    async def list_endpoint_slices(self, namespace: str, service_name: str) -> ObjList:
-        """EndpointSlices of a Service (label kubernetes.io/service-name)."""
-        return await self.list(
-            "discovery.k8s.io/v1",
-            "endpointslices",
-            namespace,
-            label_selector={"kubernetes.io/service-name": service_name},
-        )
-
     # ---- writes ----------------------------------------------------------------------------------
 
     async def apply(self, obj: Obj, field_manager: str, force: bool = True) -> Obj:
@@ -494,18 +480,6 @@ class KubeClient:
             return await self._lk.patch(cls, name, patch, patch_type=PatchType.MERGE, **kwargs)
 
         return _to_dict(await self._call(f"PATCH {r.kind} {namespace}/{name}", call))
-
-    async def patch_status(
-        self, api_version: str, plural: str, namespace: str | None, name: str, patch: Obj
-    ) -> Obj:
-        """A JSON merge patch of /status (e.g. {"status": {...}}); prefer `apply_status`."""
-        r, cls = self._res(api_version, plural)
-
-        async def call() -> Any:
-            kwargs: dict[str, Any] = {"namespace": namespace} if r.namespaced else {}
-            return await self._lk.patch(cls.Status, name, patch, patch_type=PatchType.MERGE, **kwargs)
-
-        return _to_dict(await self._call(f"PATCH {r.kind}/status {namespace}/{name}", call))
 
     async def delete(
         self,
