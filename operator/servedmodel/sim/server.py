@@ -578,6 +578,8 @@ class Simulator:
         wake = asyncio.Event()
         req.notify = wake.set
         stream = bool(body.get("stream", False))
+        # Handed to the engine before the headers go out; the engine gets it after the hand-off.
+        handover = self._admit(req)
         try:
             if stream:
                 try:
@@ -585,21 +587,28 @@ class Simulator:
                 except ConnectionResetError:
                     # The client went away mid-stream: the finally below aborts the request, nothing to log.
                     return web.Response(status=499)
-            await self._admit(req)
             return await self._full(body, req, wake, chat)
         finally:
+            if handover is not None:
+                handover.cancel()  # gone before the engine got it: it never will
             if not req.finished:
                 self.engine.abort(req.request_id, "abort", time.monotonic())
                 self.loop.kick()
 
-    async def _admit(self, req: Request) -> None:
-        """Hand the request to the engine, after the API server -> engine hand-off (vLLM's IPC)."""
+    def _admit(self, req: Request) -> asyncio.TimerHandle | None:
+        """Hand the request to the engine: at once, or after the API server -> engine hand-off (vLLM's
+        IPC, --sim-handoff-ms), which runs beside the response headers, not before them."""
         handoff = self.settings.engine.handoff_ms
-        if handoff > 0:
-            await asyncio.sleep(handoff / 1000.0)
-            req.queued = time.monotonic()
-        self.engine.add(req)
-        self.loop.kick()
+
+        def hand_over() -> None:
+            req.queued = time.monotonic() if handoff > 0 else req.arrival
+            self.engine.add(req)
+            self.loop.kick()
+
+        if handoff <= 0:
+            hand_over()
+            return None
+        return asyncio.get_running_loop().call_later(handoff / 1000.0, hand_over)
 
     async def _full(
         self, body: dict[str, Any], req: Request, wake: asyncio.Event, chat: bool
@@ -689,7 +698,6 @@ class Simulator:
         )
         # From here the engine loop writes this stream's chunks itself, at the end of each step.
         req.notify = sink.on_output
-        await self._admit(req)  # after the headers, as vLLM hands the request over inside the stream
         sink.on_output()  # anything produced while the headers went out
         outcome = await sink.done
         if outcome == "drop":
