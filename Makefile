@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint crd test test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip
+.PHONY: install lint deadcode crd test test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,10 @@ lint: install
 	$(BIN)/ruff format --check operator tests bench hack
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+## Dead code: vulture over the package (pyproject's [tool.vulture]; deliberate uses in hack/vulture_whitelist.py).
+deadcode: install
+	$(BIN)/vulture
 
 ## Regenerate crds/ from the pydantic models, and the OLM bundle (manifests/bundle/) that copies it.
 crd: install

@@ -45,8 +45,6 @@ QWEN_ADDED_TOKENS: tuple[str, ...] = (
     "</think>",
 )
 QWEN_FIRST_ADDED_ID = 151643
-QWEN_ENDOFTEXT_ID = 151643
-QWEN_IM_END_ID = 151645
 # The ones vLLM drops from output text (skip_special_tokens): Qwen's additional_special_tokens.
 _QWEN_SPECIAL_COUNT = 14  # <|endoftext|> .. <|video_pad|>
 QWEN_PAT_STR = (
@@ -111,7 +109,6 @@ class QwenTokenizer:
         self.eos_token_id = specials["<|im_end|>"]
         self.special_ids = frozenset(range(first, first + _QWEN_SPECIAL_COUNT))
         self.max_token_chars = max(len(b.decode("utf-8", "replace")) for b in self._bytes)
-        self.vocab_size = len(self._bytes)
 
     def encode(self, text: str) -> list[int]:
         # Added tokens in the text are tokens, as with HF tokenizers (chat templates rely on it).
