@@ -123,6 +123,7 @@ def test_printer_columns(control_plane: controlplane.ControlPlane, namespace: st
                 "phase": "Ready",
                 "ready": "1/1",
                 "probe": {
+                    "serving": "1/1",
                     "client": {"ttftMs": 41.5, "tpotMs": 7.25},
                     "scheduler": {"running": 3, "waiting": 1},
                 },
@@ -136,6 +137,7 @@ def test_printer_columns(control_plane: controlplane.ControlPlane, namespace: st
         "MODEL",
         "READY",
         "PHASE",
+        "SERVING",
         "TTFT",
         "TPOT",
         "RUNNING",
@@ -143,7 +145,7 @@ def test_printer_columns(control_plane: controlplane.ControlPlane, namespace: st
         "AGE",
     ]
     row = lines[1].split()
-    assert row[:8] == ["qwen", "Qwen/Qwen2.5-7B-Instruct", "1/1", "Ready", "41.5", "7.25", "3", "1"]
+    assert row[:9] == ["qwen", "Qwen/Qwen2.5-7B-Instruct", "1/1", "Ready", "1/1", "41.5", "7.25", "3", "1"]
 
 
 def test_two_field_managers_own_their_conditions(
