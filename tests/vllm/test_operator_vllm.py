@@ -79,3 +79,45 @@ def test_servedmodel_probed_against_real_vllm_is_ready_and_serving(
     assert float(cols["TTFT"]) > 0
     wide = cp.kubectl("get", "sm", "qwen", "-n", namespace, "-o", "wide").stdout
     assert "Ready" in wide
+
+
+def test_cpu_only_servedmodel_renders_vllms_cpu_image_and_serves(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    vllm_qwen25: VLLMServer,
+) -> None:
+    """resources.gpus: 0 on a cluster without GPUs in use: vLLM's CPU image, the KV cache from the spec,
+    no GPU request; the pod is scheduled by the real scheduler and the probe reaches the real engine."""
+    cp = control_plane
+    op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/cpu={vllm_qwen25.base_url}")
+    manifest = served_model(
+        "cpu",
+        servedModelName="qwen",
+        engine={"maxModelLen": 4096, "cpuKVCacheSpaceGiB": 1},
+        resources={"gpus": 0},
+        probe={"interval": 5},
+    )
+    apply(cp, namespace, manifest)
+
+    def serving() -> dict[str, Any] | None:
+        obj = sm(cp, namespace, "cpu")
+        ok = (
+            condition(obj, "Ready").get("status") == "True"
+            and condition(obj, "Serving").get("status") == "True"
+        )
+        return obj if ok else None
+
+    obj = wait_for("the CPU ServedModel Ready and Serving", serving, 300, detail=lambda: op.log(60))
+    assert obj["status"]["probe"]["checks"]["template"]["result"] == "Pass"
+    deployment = json.loads(cp.kubectl("get", "deployment", "cpu", "-n", namespace, "-o", "json").stdout)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"].startswith("public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    resources = container["resources"]
+    assert "nvidia.com/gpu" not in json.dumps(resources)
+    assert resources["requests"] == {"cpu": "2", "memory": "7Gi"}  # defaults: never BestEffort
+    pods = json.loads(cp.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+    assert pods
+    assert all(p["status"]["phase"] == "Running" for p in pods)
