@@ -161,12 +161,16 @@ def test_probe_fills_status_conditions_and_columns(
         assert probe["client"]["tpotMs"] > 0
         assert probe["server"]["isolated"] is True
         assert probe["usage"]["promptTokens"] > 0
-        assert probe["finishReason"] == "stop"
+        # The timed request ends on the probe's stop string or its token limit, depending on what the
+        # model says (the per-cycle nonce changes the simulator's echo); the stop check below proves
+        # the server honours a stop either way.
+        assert probe["finishReason"] in ("stop", "length")
         assert {k: v["result"] for k, v in probe["checks"].items()} == {
             "template": "Pass",
             "limits": "Pass",
             "stop": "Pass",
             "usage": "Pass",
+            "streaming": "Pass",
         }
         assert probe["scheduler"]["running"] == 0
         assert probe["counters"]["generationTokensTotal"] > 0
