@@ -42,6 +42,7 @@ exc_type  # the context-manager protocol's __aexit__ parameters (sim/process.py)
 tb  # the context-manager protocol's __aexit__ parameters
 
 # Introspection the tests read, deliberate API of the object it belongs to.
+_.phase_counts  # WindowDelta: observations per histogram; bench/probe_vs_vllm_bench.py pools windows by it
 _.tracked  # ProbeScheduler.tracked(): the ServedModels it probes (tests/probe check it forgets deleted ones)
 _.num_prefill_computed  # the simulator's ground truth of prompt tokens computed, recompute after preemption
 # included (tests/sim hold the scheduler to vLLM's accounting)

@@ -157,6 +157,9 @@ class WindowDelta:
     counters: Mapping[str, float]
     phases_ms: Mapping[str, float]  # mean per request in the window, ms
     reset: bool  # a counter went down (pod restarted): deltas unknown
+    # observations per histogram in the window: what weights phases_ms when windows are pooled
+    # (bench/probe_vs_vllm_bench.py sums vLLM's view over many probe cycles)
+    phase_counts: Mapping[str, float] = field(default_factory=dict)
 
 
 def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
@@ -170,6 +173,7 @@ def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
                 continue
             counters[k] = d
     phases: dict[str, float] = {}
+    counts: dict[str, float] = {}
     for k, h in after.histograms.items():
         b = before.histograms.get(k)
         if b is None:
@@ -178,8 +182,9 @@ def delta(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowDelta:
         if dc < 0:  # counts only grow; a sum may legally shrink (a negative observation)
             reset = True
             continue
+        counts[k] = dc
         if dc > 0:
             phases[k] = ds / dc * 1000.0
     if reset:
         return WindowDelta({}, {}, True)
-    return WindowDelta(counters, phases, False)
+    return WindowDelta(counters, phases, False, counts)
