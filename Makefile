@@ -66,7 +66,7 @@ crd: install
 	$(BIN)/python hack/gen_bundle.py
 
 ## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.
-test: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip vllm-or-skip lint
+test: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 test-unit: install
