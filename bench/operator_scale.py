@@ -282,14 +282,14 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             cpu_idle = proc.cpu_s()
 
             t_delete = time.monotonic()
-            # One deletecollection request (kubectl delete --all sends one DELETE per object, in turn).
-            # The server goes on deleting when this client's 5 s read timeout passes first.
-            with contextlib.suppress(TimeoutError, OSError):
-                cp.request(
-                    "DELETE", f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
-                )
+            # deletecollection (kubectl delete --all sends one DELETE per object, in turn). The server
+            # stops deleting when the request ends (its own 60 s timeout, or a client that hangs up),
+            # so the request is sent again until nothing is left.
+            collection = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
             sm_gone = deploy_gone = None
             while time.monotonic() < t_delete + args.timeout:
+                if sm_gone is None:
+                    cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
                 if sm_gone is None and count(cp, "servedmodels") == 0:
                     sm_gone = time.monotonic() - t_delete
                 if sm_gone is not None and count(cp, "deployments") == 0:
