@@ -45,7 +45,7 @@ from .api import API_GROUP_VERSION, PLURAL
 from .api.base import Key, Obj
 from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, SERVING
 from .api.conditions import find as find_condition
-from .api.names import selector_labels, selector_string, service_name
+from .api.names import selector_labels, selector_string
 from .api.probe import ProbeSpec, ProbeStatus
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
@@ -58,7 +58,6 @@ from .probe.endpoints import (
     parse_pod_overrides,
     pod_base_url,
     resolve_external,
-    resolve_managed,
     resolve_override,
 )
 from .probe.errors import ProbeFailure
@@ -966,31 +965,13 @@ class ProbeScheduler:
             raise ProbeFailure(errors.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
         return base64.b64decode(data[ref.key]).decode("utf-8").strip()
 
-    async def _target(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeTarget:
+    def _target(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeTarget:
+        """External mode's target (managed models are probed pod by pod: `_plan`)."""
         override = parse_override(self.config.endpoint_override, namespace, name)
         if override is not None:
             return resolve_override(override)
-        if spec.endpoint is not None:
-            return resolve_external(spec.endpoint)
-        svc_name = service_name(name)
-        try:
-            service = await self.kube.get("v1", "services", namespace, svc_name)
-            slices = await self.kube.list(
-                "discovery.k8s.io/v1",
-                "endpointslices",
-                namespace,
-                label_selector=f"kubernetes.io/service-name={svc_name}",
-            )
-        except ApiError as exc:
-            raise ProbeFailure(
-                errors.NO_READY_ENDPOINTS, f"reading Service {svc_name}: {exc.status} {exc.reason}"
-            ) from None
-        if service is None:
-            raise ProbeFailure(errors.NO_READY_ENDPOINTS, f"Service {svc_name} does not exist")
-        target = resolve_managed(service, slices)
-        if not target.metrics_urls:
-            raise ProbeFailure(errors.NO_READY_ENDPOINTS, f"Service {svc_name} has no ready engine pod")
-        return target
+        assert spec.endpoint is not None  # run_cycle sends only external models here
+        return resolve_external(spec.endpoint)
 
     async def _metrics_reader(
         self, http: httpx.AsyncClient, namespace: str, spec: ServedModelSpec, target: ProbeTarget
@@ -1013,10 +994,10 @@ class ProbeScheduler:
         return PodMetrics(http, target.metrics_urls, model)
 
     async def probe_once(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeOutcome:
-        """One cycle's measurements; resolution and secret failures are outcomes too."""
+        """One external-mode cycle's measurements; secret failures are outcomes too."""
         async with self._client(spec.probe) as http:
             try:
-                target = await self._target(namespace, name, spec)
+                target = self._target(namespace, name, spec)
                 api_key = None
                 if spec.engine.api_key_secret_ref is not None:
                     api_key = await self._secret_value(namespace, spec.engine.api_key_secret_ref)

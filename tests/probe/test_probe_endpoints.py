@@ -1,19 +1,17 @@
-"""Where the probe connects: override parsing and in-cluster resolution from Service/EndpointSlices (pure)."""
+"""Where the probe connects: override parsing and external-mode targets (pure); per-pod targets are
+tests/unit/test_replicas.py's and the scheduler's."""
 
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 
 from servedmodel.probe.endpoints import (
     normalise_base_url,
     parse_override,
-    ready_pod_urls,
+    pod_base_url,
     resolve_external,
-    resolve_managed,
-    service_url,
 )
 from servedmodel.probe.schedule import next_delay
 
@@ -33,54 +31,22 @@ def test_parse_override(value: str | None, ns: str, name: str, want: str | None)
     assert parse_override(value, ns, name) == want
 
 
-def slice_(endpoints: list[dict[str, Any]], port_name: str = "http", port: int = 8000) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"name": "qwen-engine-abc", "labels": {"kubernetes.io/service-name": "qwen-engine"}},
-        "addressType": "IPv4",
-        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    }
-
-
-def test_ready_pods_only_and_deduplicated() -> None:
-    slices = [
-        slice_(
-            [
-                {"addresses": ["10.0.0.5"], "conditions": {"ready": True}},
-                {"addresses": ["10.0.0.6"], "conditions": {"ready": False}},
-                {"addresses": ["10.0.0.7"], "conditions": {"ready": True, "terminating": True}},
-                {"addresses": ["10.0.0.8"]},  # unset ready counts as ready
+def test_ipv6_pod_addresses_are_bracketed_and_the_named_port_wins() -> None:
+    pod = {
+        "spec": {
+            "containers": [
+                {
+                    "ports": [
+                        {"name": "metrics", "containerPort": 9000},
+                        {"name": "http", "containerPort": 8080},
+                    ]
+                }
             ]
-        ),
-        slice_([{"addresses": ["10.0.0.5"], "conditions": {"ready": True}}]),
-    ]
-    assert ready_pod_urls(slices) == ["http://10.0.0.5:8000", "http://10.0.0.8:8000"]
-
-
-def test_ipv6_addresses_are_bracketed_and_named_port_wins() -> None:
-    sl = slice_([{"addresses": ["fd00::5"], "conditions": {"ready": True}}])
-    sl["ports"] = [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8080}]
-    assert ready_pod_urls([sl]) == ["http://[fd00::5]:8080"]
-
-
-def test_no_slices_no_pods() -> None:
-    assert ready_pod_urls([]) == []
-    assert ready_pod_urls([slice_([])]) == []
-
-
-def test_managed_target_chats_through_the_service_and_scrapes_pods() -> None:
-    svc = {
-        "metadata": {"name": "qwen-engine", "namespace": "ai"},
-        "spec": {"ports": [{"name": "http", "port": 8000, "targetPort": "http"}]},
+        },
+        "status": {"podIP": "fd00::5"},
     }
-    t = resolve_managed(svc, [slice_([{"addresses": ["10.0.0.5"], "conditions": {"ready": True}}])])
-    assert t.base_url == "http://qwen-engine.ai.svc:8000"
-    assert t.metrics_urls == ("http://10.0.0.5:8000",)
-    assert service_url({"metadata": {"name": "s", "namespace": "n"}, "spec": {"ports": [{"port": 80}]}}) == (
-        "http://s.n.svc:80"
-    )
+    assert pod_base_url(pod) == "http://[fd00::5]:8080"
+    assert pod_base_url({"status": {}}) is None
 
 
 def test_external_target_and_normalisation() -> None:

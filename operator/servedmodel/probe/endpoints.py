@@ -1,7 +1,7 @@
 """Pure: where a ServedModel's probe connects.
 
 Managed mode: every engine pod at its own address (pod IP, engine port), chat and /metrics alike (the
-probe scheduler walks the pods; the Service view, `resolve_managed`, remains for one-shot use). External
+probe scheduler walks the pods, servedmodel.probing). External
 mode: spec.endpoint for both. An operator-wide override (SERVEDMODEL_ENDPOINT_OVERRIDE) replaces the
 resolution, per ServedModel or per pod; the local control plane's pods are fake and their addresses
 must never be contacted.
@@ -9,7 +9,7 @@ must never be contacted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,50 +80,6 @@ def pod_base_url(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> str | None:
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
-
-
-def ready_pod_urls(slices: Sequence[Mapping[str, Any]], port_name: str = ENGINE_PORT_NAME) -> list[str]:
-    """Base URLs of the ready endpoints of EndpointSlices (discovery.k8s.io/v1), deduplicated, sorted.
-
-    `conditions.ready` unset counts as ready (the API's documented meaning); terminating endpoints are not.
-    """
-    urls: set[str] = set()
-    for sl in slices:
-        ports = sl.get("ports") or []
-        port: int | None = None
-        for p in ports:
-            if p.get("name") in (port_name, None, "") and isinstance(p.get("port"), int):
-                port = p["port"]
-                if p.get("name") == port_name:
-                    break
-        if port is None:
-            continue
-        for ep in sl.get("endpoints") or []:
-            cond = ep.get("conditions") or {}
-            if cond.get("ready") is False or cond.get("terminating") is True:
-                continue
-            for addr in ep.get("addresses") or []:
-                urls.add(f"http://{_host(str(addr))}:{port}")
-    return sorted(urls)
-
-
-def service_url(service: Mapping[str, Any], port_name: str = ENGINE_PORT_NAME) -> str:
-    """http://<name>.<namespace>.svc:<port> for the Service's engine port."""
-    meta = service.get("metadata") or {}
-    ports = (service.get("spec") or {}).get("ports") or []
-    port = ENGINE_PORT
-    for p in ports:
-        if p.get("name") == port_name and isinstance(p.get("port"), int):
-            port = p["port"]
-            break
-    else:
-        if ports and isinstance(ports[0].get("port"), int):
-            port = ports[0]["port"]
-    return f"http://{meta['name']}.{meta['namespace']}.svc:{port}"
-
-
-def resolve_managed(service: Mapping[str, Any], slices: Sequence[Mapping[str, Any]]) -> ProbeTarget:
-    return ProbeTarget(service_url(service), tuple(ready_pod_urls(slices)), "managed")
 
 
 def resolve_external(endpoint: str) -> ProbeTarget:
