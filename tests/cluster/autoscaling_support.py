@@ -21,12 +21,10 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.parse
 from pathlib import Path
@@ -36,6 +34,8 @@ import httpx
 import yaml
 
 import controlplane
+import loopback
+from loopback import LoopbackProcess, stop_process
 from servedmodel.sim.process import SimulatorProcess, free_port
 
 ADAPTER_NAMESPACE = "kube-system"
@@ -89,19 +89,6 @@ def adapter_binary() -> Path:
     base = os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel")
     version = controlplane.versions()["PROMETHEUS_ADAPTER_VERSION"]
     return Path(base) / f"prometheus-adapter-{version}" / "bin" / "adapter"
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL: only this process, by its pid."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(timeout)
 
 
 def engine_metric(sim: SimulatorProcess, name: str) -> float:
@@ -175,13 +162,10 @@ class EnginePods:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class Prometheus:
+class Prometheus(loopback.Prometheus):
     """Debian's prometheus scraping the engine targets every second (and the operator, if given)."""
 
     def __init__(self, targets_file: Path, operator_metrics: str | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="autoscaling-prom-"))
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
         jobs: list[dict[str, Any]] = [
             {
                 "job_name": "engines",
@@ -197,58 +181,19 @@ class Prometheus:
                     "static_configs": [{"targets": [operator_metrics]}],
                 }
             )
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "900ms"}, "scrape_configs": jobs}
-        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = (self.dir / "prometheus.log").open("wb")
-        self.proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={self.dir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.dir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--storage.tsdb.retention.time=1h",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log_text()[-2000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.base_url}/-/ready", timeout=1, trust_env=False).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise TimeoutError(f"prometheus not ready: {self.log_text()[-2000:]}")
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.base_url}/api/v1/query", params={"query": promql}, timeout=5, trust_env=False)
-        r.raise_for_status()
-        return list(r.json()["data"]["result"])
-
-    def log_text(self) -> str:
-        return (self.dir / "prometheus.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().__init__(jobs, prefix="autoscaling-prom-")
 
 
-class Adapter:
+class Adapter(LoopbackProcess):
     """prometheus-adapter on a free loopback port, registered with the API server's aggregation layer."""
 
     def __init__(self, cp: controlplane.ControlPlane, prometheus_url: str) -> None:
+        super().__init__("autoscaling-adapter-", "adapter.log")
         self.cp = cp
-        self.dir = Path(tempfile.mkdtemp(prefix="autoscaling-adapter-"))
         self.port = free_port()
         (self.dir / "rules.yaml").write_text(ADAPTER_RULES)
         kubeconfig = str(cp.kubeconfig)
-        self.log = (self.dir / "adapter.log").open("wb")
-        self.proc = subprocess.Popen(
+        self.spawn(
             [
                 str(adapter_binary()),
                 f"--secure-port={self.port}",
@@ -261,10 +206,7 @@ class Adapter:
                 "--metrics-relist-interval=2s",
                 f"--config={self.dir / 'rules.yaml'}",
                 "--v=2",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            ]
         )
 
     def register(self) -> None:
@@ -314,9 +256,6 @@ class Adapter:
         res = self.cp.kubectl("get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta2{path}", check=False)
         return json.loads(res.stdout) if res.returncode == 0 else {"error": res.stderr.strip()}
 
-    def log_text(self) -> str:
-        return (self.dir / "adapter.log").read_text(errors="replace")
-
     def stop(self) -> None:
         # Unregister first: an unavailable APIService breaks discovery for everything after this test.
         for version in API_VERSIONS:
@@ -326,9 +265,7 @@ class Adapter:
         self.cp.kubectl(
             "delete", "service", ADAPTER_SERVICE, "-n", ADAPTER_NAMESPACE, "--ignore-not-found", check=False
         )
-        _stop(self.proc)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().stop()
 
 
 class Load:
@@ -343,7 +280,7 @@ class Load:
         )
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 def keda_operator_binary() -> Path:
@@ -352,13 +289,13 @@ def keda_operator_binary() -> Path:
     return Path(base) / "keda-v2.21.0" / "keda-operator"
 
 
-class KedaOperator:
+class KedaOperator(LoopbackProcess):
     """KEDA's real operator on loopback, watching one namespace: it makes keda-hpa-<name> and does the
     0 <-> minReplicas part of scaling itself (polling the triggers); no metrics apiserver, so the HPA it
     makes cannot get its External metric (1..N scaling is the HPA path's test)."""
 
     def __init__(self, cp: controlplane.ControlPlane, namespace: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="autoscaling-keda-"))
+        super().__init__("autoscaling-keda-", "keda.log")
         certs = self.dir / "certs"
         certs.mkdir()
         # The gRPC metrics service wants a certificate even when nothing dials it.
@@ -377,8 +314,7 @@ class KedaOperator:
             "POD_NAMESPACE": namespace,
             "KEDA_CLUSTER_OBJECT_NAMESPACE": namespace,
         }
-        self.log = (self.dir / "keda.log").open("wb")
-        self.proc = subprocess.Popen(
+        self.spawn(
             [
                 str(keda_operator_binary()),
                 f"--metrics-bind-address=127.0.0.1:{metrics}",
@@ -390,15 +326,4 @@ class KedaOperator:
                 "--leader-elect=false",
             ],
             env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
         )
-
-    def log_text(self) -> str:
-        return (self.dir / "keda.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +29,8 @@ from servedmodel.sim.process import SimulatorProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
 from probe_support import PrometheusServer  # tests/probe's helper (tests are not a package)
+
+from loopback import prometheus_missing
 
 OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
 
@@ -287,8 +288,8 @@ def test_prometheus_source_with_bearer_token(
 ) -> None:
     """spec.probe.metricsSource prometheus: the daemon reads the token Secret and queries PromQL filtered
     by model_name and namespace (a real Prometheus on loopback scraping the simulator every second)."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    if missing := prometheus_missing():
+        pytest.skip(missing)
     cp = control_plane
     args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
     with SimulatorProcess(args, ready_timeout=60) as sim:

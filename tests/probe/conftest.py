@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from probe_support import SIM_ARGS, PrometheusServer, reset_faults
+from probe_support import PrometheusServer, reset_faults
 
+from loopback import SIM_ARGS, prometheus_missing
 from servedmodel.sim.process import SimulatorProcess
 
 
@@ -55,8 +55,8 @@ def no_dns_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def prometheus(sim: SimulatorProcess) -> Iterator[PrometheusServer]:
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
+    if missing := prometheus_missing():
+        pytest.skip(missing)
     server = PrometheusServer([f"127.0.0.1:{sim.port}"], {"namespace": "probe-ns"})
     try:
         server.wait_ready()

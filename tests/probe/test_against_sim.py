@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from probe_support import SIM_ARGS, PrometheusServer, set_faults
+from probe_support import PrometheusServer, set_faults
 
+from loopback import SIM_ARGS
 from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import errors
 from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe

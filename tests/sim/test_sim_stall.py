@@ -13,22 +13,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from loopback import SIM_ARGS
 from servedmodel.sim.process import SimulatorProcess
-
-ARGS = [
-    "Qwen/Qwen2.5-7B-Instruct",
-    "--served-model-name",
-    "qwen",
-    "--max-model-len",
-    "2048",
-    "--sim-step-base-ms",
-    "2",
-]
 
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimulatorProcess]:
-    with SimulatorProcess(ARGS, ready_timeout=60) as s:
+    with SimulatorProcess(SIM_ARGS, ready_timeout=60) as s:
         yield s
 
 
