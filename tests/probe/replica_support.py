@@ -1,16 +1,20 @@
-"""Helpers of the replica scheduler tests (tests/probe, tests/vllm): a recorder of what the probe
-scheduler reads from and writes to Kubernetes, fake engine pods, a managed ServedModel."""
+"""Helpers of the probe scheduler tests (tests/probe, tests/vllm): a recorder of what the probe scheduler
+reads from and writes to Kubernetes, fake engine pods, a managed ServedModel, a scheduler on them."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 from prometheus_client import CollectorRegistry
 
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.config import OperatorConfig
 from servedmodel.k8s import NotFoundError
+from servedmodel.k8s.cache import Cache
 from servedmodel.probing import ProbeMetrics, ProbeScheduler
 
 
@@ -28,24 +32,42 @@ def pod(name: str, ip: str) -> dict[str, Any]:
     }
 
 
-class Cluster:
-    """What the scheduler reads (a ServedModel, its pods) and writes (status, pod conditions, Events)."""
+def selector(name: str) -> str:
+    """The label selector of a ServedModel's engine pods, as the scheduler must ask for it."""
+    return ",".join(
+        (
+            "app.kubernetes.io/component=engine",
+            f"app.kubernetes.io/instance={name}",
+            "app.kubernetes.io/name=servedmodel",
+        )
+    )
 
-    def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]]) -> None:
-        self.body = body
-        self.pods = {p["metadata"]["name"]: p for p in pods}
-        self.status_writes: list[dict[str, Any]] = []
+
+class Cluster:
+    """The probe scheduler's view of the API server: what it reads (ServedModels in `objects`, one
+    ServedModel's engine pods in `pods`) and records what it writes (status in `writes`, pod conditions in
+    `gate_writes`, Events in `events`). `body`, when given, is the ServedModel a test looks at."""
+
+    def __init__(self, body: dict[str, Any] | None = None, pods: list[dict[str, Any]] | None = None) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.body: dict[str, Any] = body or {}
+        if body is not None:
+            self.add(body)
+        self.pods = {p["metadata"]["name"]: p for p in pods or []}
+        self.writes: list[tuple[str, str, dict[str, Any]]] = []
         self.gate_writes: list[tuple[str, dict[str, Any]]] = []
         self.events: list[tuple[str, str, str, str]] = []
 
+    def add(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.objects[(body["metadata"]["namespace"], body["metadata"]["name"])] = body
+        return body
+
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
-        return self.body if plural == "servedmodels" and name == self.body["metadata"]["name"] else None
+        return self.objects.get((namespace or "", name)) if plural == "servedmodels" else None
 
     async def list(self, api_version: str, plural: str, namespace: str | None = None, **kw: Any) -> list[Any]:
         assert plural == "pods"
-        assert kw["label_selector"] == (
-            "app.kubernetes.io/component=engine,app.kubernetes.io/instance=qwen,app.kubernetes.io/name=servedmodel"
-        )
+        assert kw["label_selector"] in {selector(name) for _, name in self.objects}
         return list(self.pods.values())
 
     async def apply_status(
@@ -66,11 +88,13 @@ class Cluster:
             conds = [c for c in self.pods[name]["status"]["conditions"] if c["type"] != cond["type"]]
             self.pods[name]["status"]["conditions"] = [*conds, cond]
             return self.pods[name]
-        if name != self.body["metadata"]["name"]:
-            raise NotFoundError(404, "NotFound", name)
-        self.status_writes.append(status)
-        self.body["status"] = {**(self.body.get("status") or {}), **status}
-        return self.body
+        key = (namespace or "", name)
+        if key not in self.objects:
+            raise NotFoundError(404, "NotFound", f"servedmodels {name} not found")
+        self.writes.append((*key, status))
+        obj = self.objects[key]
+        obj["status"] = {**(obj.get("status") or {}), **status}
+        return obj
 
     async def create_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str) -> Any:
         self.events.append((involved["kind"], involved["metadata"]["name"], reason, message))
@@ -99,10 +123,79 @@ def served_model(**probe: Any) -> dict[str, Any]:
     }
 
 
-def scheduler(cluster: Cluster, override: str, **config: Any) -> ProbeScheduler:
+def scheduler(
+    cluster: Cluster,
+    override: str | None = None,
+    *,
+    registry: CollectorRegistry | None = None,
+    enqueue: Callable[[str, str], None] | None = None,
+    cache: Cache | None = None,
+    seed: int = 3,
+    **config: Any,
+) -> ProbeScheduler:
+    """A ProbeScheduler on `cluster` (cycles driven by the test unless it starts it); `override` is
+    SERVEDMODEL_ENDPOINT_OVERRIDE, `config` OperatorConfig's other fields."""
+    if override is not None:
+        config["endpoint_override"] = override
     return ProbeScheduler(
         kube=cluster,
-        config=OperatorConfig(endpoint_override=override, **config),
-        metrics=ProbeMetrics(CollectorRegistry()),
-        rng=random.Random(3),
+        config=OperatorConfig(**config),
+        metrics=ProbeMetrics(registry or CollectorRegistry()),
+        cache=cache,
+        enqueue=enqueue,
+        rng=random.Random(seed),
     )
+
+
+async def _chats(url: str, stop: asyncio.Event, max_tokens: int, timeout_s: float) -> None:
+    """Long chats, one after the other, against `url` until `stop` is set."""
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+        while not stop.is_set():
+            body = {
+                "model": "qwen",
+                "messages": [{"role": "user", "content": f"a long story, part {random.random()}"}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
+            try:
+                await client.post(f"{url}/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.1)
+
+
+def kv_pressure_under_load(
+    cluster: Cluster,
+    url: str,
+    *,
+    streams: int,
+    cycles: int,
+    pause_s: float,
+    max_tokens: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """The KVCachePressure condition after probe cycles of the cluster's ServedModel (its one pod on the
+    engine at `url`), `pause_s` apart, while `streams` long chats load that engine: at most `cycles` of
+    them (bounded: the gauges are sampled, so a cycle may miss the peak), ending at the first
+    KVCachePressure=True. The load and the scheduler are stopped before it returns."""
+    (pod_name,) = cluster.pods
+
+    async def main() -> None:
+        sched = scheduler(cluster, f"ns/qwen/{pod_name}={url}")
+        sched.track(cluster.body)
+        stop = asyncio.Event()
+        load = [asyncio.create_task(_chats(url, stop, max_tokens, timeout_s)) for _ in range(streams)]
+        try:
+            for _ in range(cycles):
+                await sched.run_cycle(("ns", "qwen"))
+                if cluster.condition("KVCachePressure")["status"] == "True":
+                    break
+                await asyncio.sleep(pause_s)
+        finally:
+            stop.set()
+            for t in load:
+                t.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            await sched.stop()
+
+    asyncio.run(main())
+    return cluster.condition("KVCachePressure")

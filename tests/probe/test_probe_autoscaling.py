@@ -4,54 +4,12 @@ signal), and, while the autoscaler holds the engine at zero, no chat and Serving
 from __future__ import annotations
 
 import asyncio
-import random
-from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
+from replica_support import Cluster, scheduler
 
-from servedmodel.config import OperatorConfig
-from servedmodel.k8s import NotFoundError
-from servedmodel.probing import ProbeMetrics, ProbeScheduler
 from servedmodel.sim.process import SimulatorProcess
-
-
-class Kube:
-    """The scheduler's view of the API server: ServedModels it answers for, status writes it records."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.writes: list[dict[str, Any]] = []
-
-    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
-        return self.objects.get((namespace or "", name)) if plural == "servedmodels" else None
-
-    async def list(self, api_version: str, plural: str, namespace: str | None = None, **_: Any) -> list[Any]:
-        return []
-
-    async def apply_status(
-        self,
-        api_version: str,
-        plural: str,
-        namespace: str | None,
-        name: str,
-        status: dict[str, Any],
-        field_manager: str,
-        **_: Any,
-    ) -> dict[str, Any]:
-        key = (namespace or "", name)
-        if key not in self.objects:
-            raise NotFoundError(404, "NotFound", name)
-        self.writes.append(status)
-        obj = self.objects[key]
-        obj["status"] = {**(obj.get("status") or {}), **status}
-        return obj
-
-
-def _scheduler(kube: Kube, registry: CollectorRegistry, **config: Any) -> ProbeScheduler:
-    return ProbeScheduler(
-        kube=kube, config=OperatorConfig(**config), metrics=ProbeMetrics(registry), rng=random.Random(1)
-    )
 
 
 def _requests(sim: SimulatorProcess) -> int:
@@ -60,7 +18,7 @@ def _requests(sim: SimulatorProcess) -> int:
 
 def test_ttft_p95_gauge_follows_the_window(faults: SimulatorProcess) -> None:
     async def main() -> None:
-        kube, registry = Kube(), CollectorRegistry()
+        kube, registry = Cluster(), CollectorRegistry()
         body = {
             "metadata": {"name": "a", "namespace": "ns", "generation": 1},
             "spec": {
@@ -70,7 +28,7 @@ def test_ttft_p95_gauge_follows_the_window(faults: SimulatorProcess) -> None:
             },
         }
         kube.objects[("ns", "a")] = body
-        sched = _scheduler(kube, registry)
+        sched = scheduler(kube, registry=registry, seed=1)
         sched.track(body)
         try:
             for _ in range(2):
@@ -94,7 +52,7 @@ def test_ttft_p95_gauge_follows_the_window(faults: SimulatorProcess) -> None:
 
 def test_no_chat_at_zero_and_serving_unknown(faults: SimulatorProcess) -> None:
     async def main() -> None:
-        kube, registry = Kube(), CollectorRegistry()
+        kube, registry = Cluster(), CollectorRegistry()
         serving = {"type": "Serving", "status": "True", "reason": "ChatCompletionSucceeded", "message": ""}
         template = {"type": "TemplateOK", "status": "True", "reason": "Pass", "message": ""}
         probe = {"result": "Success", "window": {"samples": 3, "ttftP95Ms": 12.0}}
@@ -119,7 +77,7 @@ def test_no_chat_at_zero_and_serving_unknown(faults: SimulatorProcess) -> None:
             },
         }
         kube.objects[("ns", "z")] = body
-        sched = _scheduler(kube, registry, endpoint_override=f"ns/z={faults.base_url}")
+        sched = scheduler(kube, f"ns/z={faults.base_url}", registry=registry, seed=1)
         sched.metrics.ttft_p95.labels("ns", "z").set(0.012)  # from before it went to zero
         sched.track(body)
         before = await asyncio.to_thread(_requests, faults)
@@ -132,7 +90,7 @@ def test_no_chat_at_zero_and_serving_unknown(faults: SimulatorProcess) -> None:
         assert first.written
         assert not second.written  # said once
         assert await asyncio.to_thread(_requests, faults) == before  # no chat reached the engine
-        (patch,) = kube.writes
+        ((_, _, patch),) = kube.writes
         assert patch["probe"] == probe  # status.probe kept (server-side apply would drop what is omitted)
         conds = {c["type"]: c for c in patch["conditions"]}
         assert (conds["Serving"]["status"], conds["Serving"]["reason"]) == ("Unknown", "ScaledToZero")

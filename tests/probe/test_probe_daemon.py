@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+import replica_support
+from probe_support import set_faults
+from replica_support import Cluster
 
 from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.status import ServedModelStatus
-from servedmodel.config import OperatorConfig
-from servedmodel.k8s import NotFoundError
+from servedmodel.k8s.cache import Cache
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.errors import ENGINE_UNHEALTHY, ProbeFailure
-from servedmodel.probing import ProbeMetrics, ProbeScheduler, first_due, status_patch
+from servedmodel.probing import ProbeScheduler, first_due, status_patch
 from servedmodel.sim.process import SimulatorProcess
 
 MANAGED = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "resources": {"gpus": 1}}
@@ -76,46 +76,6 @@ def test_first_due_spreads_new_models_and_keeps_the_spread_after_a_restart() -> 
     assert max(restarted) - min(restarted) > 50
 
 
-class RecordingKube:
-    """The scheduler's view of the API server: ServedModels it answers for, status writes it records."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.writes: list[tuple[str, str, dict[str, Any]]] = []
-        self.on_write: Callable[[str, str], None] | None = None
-
-    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
-        if plural == "servedmodels":
-            return self.objects.get((namespace or "", name))
-        return None
-
-    async def list(self, api_version: str, plural: str, namespace: str | None = None, **_: Any) -> list[Any]:
-        return []
-
-    async def apply_status(
-        self,
-        api_version: str,
-        plural: str,
-        namespace: str | None,
-        name: str,
-        status: dict[str, Any],
-        field_manager: str,
-        *,
-        force: bool = True,
-    ) -> dict[str, Any]:
-        assert field_manager == "servedmodel-probe"
-        key = (namespace or "", name)
-        if key not in self.objects:
-            raise NotFoundError(404, "NotFound", f"servedmodels {name} not found")
-        self.writes.append((key[0], key[1], status))
-        if self.on_write is not None:
-            self.on_write(*key)
-        obj = self.objects[key]
-        merged = {**(obj.get("status") or {}), "probe": status["probe"], "conditions": status["conditions"]}
-        obj["status"] = merged
-        return obj
-
-
 def external(name: str, url: str, **probe: Any) -> dict[str, Any]:
     return {
         "apiVersion": "inference.servedmodel.io/v1alpha1",
@@ -130,21 +90,18 @@ def external(name: str, url: str, **probe: Any) -> dict[str, Any]:
     }
 
 
-def scheduler(kube: RecordingKube, **config: Any) -> tuple[ProbeScheduler, list[tuple[str, str]]]:
+def scheduler(kube: Cluster, **config: Any) -> tuple[ProbeScheduler, list[tuple[str, str]]]:
+    """The scheduler, and the (namespace, name) keys it asks the reconciler to look at again."""
     enqueued: list[tuple[str, str]] = []
-    sched = ProbeScheduler(
-        kube=kube,
-        config=OperatorConfig(**config),
-        metrics=ProbeMetrics(CollectorRegistry()),
-        enqueue=lambda ns, name: enqueued.append((ns, name)),
-        rng=random.Random(1),
+    sched = replica_support.scheduler(
+        kube, enqueue=lambda ns, name: enqueued.append((ns, name)), seed=1, **config
     )
     return sched, enqueued
 
 
 def test_cycle_writes_once_and_enqueues_when_serving_changes(faults: SimulatorProcess) -> None:
     async def main() -> None:
-        kube = RecordingKube()
+        kube = Cluster()
         body = external("a", faults.base_url)
         kube.objects[("ns", "a")] = body
         sched, enqueued = scheduler(kube)
@@ -164,7 +121,7 @@ def test_cycle_writes_once_and_enqueues_when_serving_changes(faults: SimulatorPr
             assert enqueued == [("ns", "a")]
             assert len(kube.writes) == 2
             # the engine dies: Serving turns False, the reconciler is asked to look again
-            await asyncio.to_thread(_set_faults, faults, dead=True)
+            await asyncio.to_thread(set_faults, faults, dead=True)
             third = await sched.run_cycle(("ns", "a"))
             assert third.written
             assert kube.writes[-1][2]["conditions"][0]["reason"] == ENGINE_UNHEALTHY
@@ -179,15 +136,9 @@ def test_cycle_writes_once_and_enqueues_when_serving_changes(faults: SimulatorPr
     asyncio.run(main())
 
 
-def _set_faults(sim: SimulatorProcess, **faults: Any) -> None:
-    from probe_support import set_faults
-
-    set_faults(sim, **faults)
-
-
 def test_nothing_written_when_disabled_deleting_or_gone(faults: SimulatorProcess) -> None:
     async def main() -> None:
-        kube = RecordingKube()
+        kube = Cluster()
         sched, enqueued = scheduler(kube)
         try:
             off = external("off", faults.base_url, enabled=False)
@@ -220,7 +171,7 @@ def test_models_fire_spread_out_under_the_concurrency_cap(faults: SimulatorProce
     once per cycle, and stop() leaves no task behind."""
 
     async def main() -> None:
-        kube = RecordingKube()
+        kube = Cluster()
         sched, _ = scheduler(kube, probe_concurrency=3)
         in_flight: list[int] = []
         real = sched.run_cycle
@@ -253,8 +204,8 @@ def test_models_fire_spread_out_under_the_concurrency_cap(faults: SimulatorProce
 
 def test_stop_cancels_a_cycle_in_flight_and_nothing_is_written(faults: SimulatorProcess) -> None:
     async def main() -> None:
-        kube = RecordingKube()
-        await asyncio.to_thread(_set_faults, faults, first_byte_delay_ms=10_000)
+        kube = Cluster()
+        await asyncio.to_thread(set_faults, faults, first_byte_delay_ms=10_000)
         body = external("slow", faults.base_url)
         kube.objects[("ns", "slow")] = body
         sched, _ = scheduler(kube)
@@ -275,22 +226,15 @@ def test_stop_cancels_a_cycle_in_flight_and_nothing_is_written(faults: Simulator
 def test_scheduler_follows_the_watch_fed_cache(faults: SimulatorProcess) -> None:
     """Fed by the controller's cache (no kopf, no track() calls): a ServedModel in the cache is probed and
     its status written through into the cache; removed from the cache, it is forgotten."""
-    from servedmodel.k8s.cache import Cache
 
     async def main() -> None:
-        kube = RecordingKube()
+        kube = Cluster()
         cache = Cache()
         body = external("cached", faults.base_url)
         body["metadata"]["resourceVersion"] = "1"
         kube.objects[("ns", "cached")] = body
         cache.apply_event("ServedModel", None, body)
-        sched = ProbeScheduler(
-            kube=kube,
-            config=OperatorConfig(),
-            metrics=ProbeMetrics(CollectorRegistry()),
-            cache=cache,
-            rng=random.Random(2),
-        )
+        sched = replica_support.scheduler(kube, cache=cache, seed=2)
         await sched.start()
         try:
             for _ in range(100):  # the first cycle runs within 10 % of the 5 s interval

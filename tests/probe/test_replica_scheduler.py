@@ -7,35 +7,25 @@ cache under load. The API server is a recorder here; tests/cluster/ has the real
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from probe_support import set_faults
-from replica_support import Cluster, pod, scheduler, served_model
+from replica_support import Cluster, kv_pressure_under_load, pod, scheduler, served_model
 
+from loopback import SIM_ARGS
 from servedmodel.sim.process import SimulatorProcess
 
-SIM = [
-    "Qwen/Qwen2.5-7B-Instruct",
-    "--served-model-name",
-    "qwen",
-    "--max-model-len",
-    "2048",
-    "--sim-step-base-ms",
-    "2",
-]
 PODS = ("qwen-7d9f-a", "qwen-7d9f-b", "qwen-7d9f-c")
 
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[list[SimulatorProcess]]:
     with (
-        SimulatorProcess(SIM, ready_timeout=60) as a,
-        SimulatorProcess(SIM, ready_timeout=60) as b,
-        SimulatorProcess(SIM, ready_timeout=60) as c,
+        SimulatorProcess(SIM_ARGS, ready_timeout=60) as a,
+        SimulatorProcess(SIM_ARGS, ready_timeout=60) as b,
+        SimulatorProcess(SIM_ARGS, ready_timeout=60) as c,
     ):
         yield [a, b, c]
     # each stopped by its pid on exit
@@ -100,7 +90,7 @@ def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProces
             # a fourth cycle with nothing changed on the pods writes no pod condition at all
             await sched.run_cycle(("ns", "qwen"))
             assert len(cluster.gate_writes) == writes + 1
-            assert len(cluster.status_writes) == 4  # one per cycle that probed
+            assert len(cluster.writes) == 4  # one per cycle that probed
         finally:
             await asyncio.to_thread(set_faults, sims[2], reset=True)
             await sched.stop()
@@ -130,48 +120,14 @@ def test_bounded_rotation_over_many_replicas(sims: list[SimulatorProcess]) -> No
     asyncio.run(main())
 
 
-async def _load(url: str, stop: asyncio.Event) -> None:
-    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-        while not stop.is_set():
-            body = {
-                "model": "qwen",
-                "messages": [{"role": "user", "content": f"a long story, part {random.random()}"}],
-                "max_tokens": 300,
-                "ignore_eos": True,
-            }
-            try:
-                await client.post(f"{url}/v1/chat/completions", json=body)
-            except httpx.HTTPError:
-                await asyncio.sleep(0.05)
-
-
 def test_kv_cache_pressure_from_a_tiny_kv_cache_under_load() -> None:
     """40 blocks of 16 tokens and eight long requests at a time: the cache fills and the engine preempts."""
-    args = [*SIM[:3], "--max-model-len", "512", "--sim-step-base-ms", "2", "--num-gpu-blocks", "40"]
+    args = [*SIM_ARGS[:3], "--max-model-len", "512", "--sim-step-base-ms", "2", "--num-gpu-blocks", "40"]
+    cluster = Cluster(served_model(), [pod("qwen-kv", "10.244.0.9")])
     with SimulatorProcess(args, ready_timeout=60) as sim:
-        body = served_model()
-        cluster = Cluster(body, [pod("qwen-kv", "10.244.0.9")])
-
-        async def main() -> None:
-            sched = scheduler(cluster, f"ns/qwen/qwen-kv={sim.base_url}")
-            sched.track(body)
-            stop = asyncio.Event()
-            load = [asyncio.create_task(_load(sim.base_url, stop)) for _ in range(8)]
-            try:
-                for _ in range(20):  # bounded: the gauge is sampled, so a cycle may miss the peak
-                    await asyncio.sleep(0.5)
-                    await sched.run_cycle(("ns", "qwen"))
-                    if cluster.condition("KVCachePressure")["status"] == "True":
-                        break
-            finally:
-                stop.set()
-                for t in load:
-                    t.cancel()
-                await asyncio.gather(*load, return_exceptions=True)
-                await sched.stop()
-
-        asyncio.run(main())
-    pressure = cluster.condition("KVCachePressure")
+        pressure = kv_pressure_under_load(
+            cluster, sim.base_url, streams=8, cycles=20, pause_s=0.5, max_tokens=300, timeout_s=60
+        )
     assert pressure["status"] == "True", pressure
     assert pressure["reason"] == "PreemptionsRising"
     assert "preemptions" in pressure["message"]

@@ -16,17 +16,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from vllm_server import VLLMServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
-from replica_support import Cluster, pod, scheduler, served_model  # tests/probe's helpers
+from replica_support import (  # tests/probe's helpers
+    Cluster,
+    kv_pressure_under_load,
+    pod,
+    scheduler,
+    served_model,
+)
 
 from servedmodel.sim.process import SimulatorProcess
 
@@ -82,50 +86,17 @@ def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_
         asyncio.run(main())
 
 
-async def _load(url: str, stop: asyncio.Event) -> None:
-    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
-        while not stop.is_set():
-            body = {
-                "model": "qwen",
-                "messages": [{"role": "user", "content": f"a story, part {time.monotonic()}"}],
-                "max_tokens": 150,
-                "ignore_eos": True,
-            }
-            try:
-                await client.post(f"{url}/v1/chat/completions", json=body)
-            except httpx.HTTPError:
-                await asyncio.sleep(0.2)
-
-
 def test_kv_cache_pressure_from_real_vllm(start_vllm: Callable[..., VLLMServer]) -> None:
     """Four KV blocks (vLLM-CPU's 128 tokens each) and six long requests at a time: vLLM's KV cache usage
     sits at 100 % and it preempts (vllm:num_preemptions_total rises, about one per 10 s here)."""
     server = start_vllm(
         max_model_len=256, extra_args=["--num-gpu-blocks-override", "4", "--max-num-seqs", "8"]
     )
-    body = served_model(firstByteTimeout=120, timeout=180)
-    cluster = Cluster(body, [pod("qwen-real", "10.244.0.10")])
-
-    async def main() -> None:
-        sched = scheduler(cluster, f"ns/qwen/qwen-real={server.base_url}")
-        sched.track(body)
-        stop = asyncio.Event()
-        load = [asyncio.create_task(_load(server.base_url, stop)) for _ in range(6)]
-        try:
-            for _ in range(12):  # bounded: each cycle queues behind the load
-                await sched.run_cycle(("ns", "qwen"))
-                if cluster.condition("KVCachePressure")["status"] == "True":
-                    break
-                await asyncio.sleep(5)
-        finally:
-            stop.set()
-            for t in load:
-                t.cancel()
-            await asyncio.gather(*load, return_exceptions=True)
-            await sched.stop()
-
-    asyncio.run(main())
-    pressure = cluster.condition("KVCachePressure")
+    cluster = Cluster(served_model(firstByteTimeout=120, timeout=180), [pod("qwen-real", "10.244.0.10")])
+    # each cycle queues behind the load
+    pressure = kv_pressure_under_load(
+        cluster, server.base_url, streams=6, cycles=12, pause_s=5, max_tokens=150, timeout_s=300
+    )
     assert pressure["status"] == "True", pressure
     assert pressure["message"].startswith("pod qwen-real: KV cache usage 100% with ")
     assert "preemptions" in pressure["message"]  # since the previous probe, or during a long one
