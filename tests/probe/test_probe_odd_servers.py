@@ -125,17 +125,15 @@ async def test_missing_usage_fails_usage(odd_server: tuple[str, Odd]) -> None:
     assert (out.checks["usage"].result, out.checks["usage"].reason) == ("Fail", "UsageMissing")
 
 
-async def test_html_models_is_malformed_response(odd_server: tuple[str, Odd]) -> None:
+@pytest.mark.parametrize(
+    ("oddity", "reason"),
+    [("models_html", errors.MALFORMED_RESPONSE), ("json_instead_of_stream", errors.MALFORMED_STREAM)],
+    ids=["html-models-is-malformed-response", "json-instead-of-stream-is-malformed-stream"],
+)
+async def test_odd_answers_fail_the_probe(odd_server: tuple[str, Odd], oddity: str, reason: str) -> None:
     url, odd = odd_server
-    odd.models_html = True
+    assert getattr(odd, oddity) is False  # the server answers properly unless told
+    setattr(odd, oddity, True)
     out = await probe(url)
     assert out.failure is not None
-    assert out.failure.reason == errors.MALFORMED_RESPONSE
-
-
-async def test_json_instead_of_stream_is_malformed_stream(odd_server: tuple[str, Odd]) -> None:
-    url, odd = odd_server
-    odd.json_instead_of_stream = True
-    out = await probe(url)
-    assert out.failure is not None
-    assert out.failure.reason == errors.MALFORMED_STREAM
+    assert out.failure.reason == reason

@@ -25,26 +25,19 @@ VECTOR = {
     "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "2"]}]},
 }
 
+BAD_QUERY = b'{"status":"error","errorType":"bad_data","error":"parse error"}'
+MATRIX = b'{"status":"success","data":{"resultType":"matrix","result":[]}}'
+
 
 @pytest.mark.parametrize(
     ("status", "body", "reason", "says"),
     [
         (401, b"", errors.UNAUTHORIZED, "bearer token was refused"),
         (403, b'{"status":"error"}', errors.UNAUTHORIZED, "HTTP 403"),
-        (
-            400,
-            b'{"status":"error","errorType":"bad_data","error":"parse error"}',
-            errors.UNEXPECTED_STATUS,
-            "bad_data",
-        ),
+        (400, BAD_QUERY, errors.UNEXPECTED_STATUS, "bad_data"),
         (503, b"<html>unavailable</html>", errors.UNEXPECTED_STATUS, "not Prometheus' API"),
         (200, b"not json", errors.MALFORMED_RESPONSE, "not JSON"),
-        (
-            200,
-            b'{"status":"success","data":{"resultType":"matrix","result":[]}}',
-            errors.MALFORMED_RESPONSE,
-            "vector",
-        ),
+        (200, MATRIX, errors.MALFORMED_RESPONSE, "vector"),
     ],
     ids=["401", "403", "bad-query", "html-503", "not-json", "matrix"],
 )
