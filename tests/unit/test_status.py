@@ -141,8 +141,18 @@ def pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
 
 
+def rolling_out(*pods: dict[str, Any]) -> Observed:
+    """A Deployment rolling out and not yet available, with these pods."""
+    return Observed(deployment(conditions=[UNAVAILABLE, ROLLING]), list(pods))
+
+
+def waiting(reason: str, message: str = "", **fields: Any) -> dict[str, Any]:
+    """A pod whose engine container is waiting (not ready) for `reason`."""
+    return pod(ready=False, waiting=(reason, message), **fields)
+
+
 READY_OBS = Observed(deployment(ready=1, available=1, conditions=[AVAILABLE, ROLLED]), [pod()])
-STARTING_OBS = Observed(deployment(conditions=[UNAVAILABLE, ROLLING]), [pod(ready=False)])
+STARTING_OBS = rolling_out(pod(ready=False))
 
 UNSCHEDULABLE = (
     "False",
@@ -172,10 +182,7 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "container-creating",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [pod(phase="Pending", ready=False, waiting=("ContainerCreating", ""))],
-        ),
+        rolling_out(waiting("ContainerCreating", "", phase="Pending")),
         "Progressing",
         ("False", "ContainerCreating"),
         ("True", "ReplicaSetUpdated"),
@@ -184,7 +191,7 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "loading-weights",
-        Observed(deployment(conditions=[UNAVAILABLE, ROLLING]), [pod(ready=False)]),
+        rolling_out(pod(ready=False)),
         "Progressing",
         ("False", "ContainersNotReady"),
         ("True", "ReplicaSetUpdated"),
@@ -193,10 +200,7 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "no-gpu-node",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [pod(phase="Pending", ready=False, scheduled=UNSCHEDULABLE)],
-        ),
+        rolling_out(pod(phase="Pending", ready=False, scheduled=UNSCHEDULABLE)),
         "Degraded",
         ("False", "Unschedulable"),
         ("True", "ReplicaSetUpdated"),
@@ -205,15 +209,8 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "image-pull",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [
-                pod(
-                    phase="Pending",
-                    ready=False,
-                    waiting=("ImagePullBackOff", 'Back-off pulling image "vllm/vllm-openai:v0.99"'),
-                )
-            ],
+        rolling_out(
+            waiting("ImagePullBackOff", 'Back-off pulling image "vllm/vllm-openai:v0.99"', phase="Pending")
         ),
         "Degraded",
         ("False", "ImagePullBackOff"),
@@ -223,16 +220,7 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "missing-hf-token-secret",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [
-                pod(
-                    phase="Pending",
-                    ready=False,
-                    waiting=("CreateContainerConfigError", 'secret "hf-token" not found'),
-                )
-            ],
-        ),
+        rolling_out(waiting("CreateContainerConfigError", 'secret "hf-token" not found', phase="Pending")),
         "Degraded",
         ("False", "CreateContainerConfigError"),
         ("True", "ReplicaSetUpdated"),
@@ -241,15 +229,12 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "oom",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [
-                pod(
-                    ready=False,
-                    waiting=("CrashLoopBackOff", "back-off 40s restarting failed container=vllm"),
-                    last_terminated={"reason": "OOMKilled", "exitCode": 137},
-                )
-            ],
+        rolling_out(
+            waiting(
+                "CrashLoopBackOff",
+                "back-off 40s restarting failed container=vllm",
+                last_terminated={"reason": "OOMKilled", "exitCode": 137},
+            )
         ),
         "Degraded",
         ("False", "OOMKilled"),
@@ -259,15 +244,12 @@ CASES: list[tuple[str, Observed, str, tuple[str, str], tuple[str, str], tuple[st
     ),
     (
         "crashloop",
-        Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [
-                pod(
-                    ready=False,
-                    waiting=("CrashLoopBackOff", "back-off 5m0s restarting failed container=vllm"),
-                    last_terminated={"reason": "Error", "exitCode": 1},
-                )
-            ],
+        rolling_out(
+            waiting(
+                "CrashLoopBackOff",
+                "back-off 5m0s restarting failed container=vllm",
+                last_terminated={"reason": "Error", "exitCode": 1},
+            )
         ),
         "Degraded",
         ("False", "CrashLoopBackOff"),
@@ -415,10 +397,7 @@ def test_managed_status(
 
 
 def test_messages_say_what_the_pods_say() -> None:
-    obs = Observed(
-        deployment(conditions=[UNAVAILABLE, ROLLING]),
-        [pod(phase="Pending", ready=False, scheduled=UNSCHEDULABLE)],
-    )
+    obs = rolling_out(pod(phase="Pending", ready=False, scheduled=UNSCHEDULABLE))
     status = compute_status(subject(1), Managed(obs, MODEL))
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert "Insufficient nvidia.com/gpu" in degraded["message"]
@@ -557,10 +536,7 @@ def test_transition_times_and_events() -> None:
 
 def test_degraded_events_on_each_new_reason() -> None:
     def failing(waiting: tuple[str, str]) -> Observed:
-        return Observed(
-            deployment(conditions=[UNAVAILABLE, ROLLING]),
-            [pod(phase="Pending", ready=False, waiting=waiting)],
-        )
+        return rolling_out(pod(phase="Pending", ready=False, waiting=waiting))
 
     a = compute_status(subject(1, name="q"), Managed(failing(("ErrImagePull", "x")), MODEL))
     b = compute_status(
