@@ -351,6 +351,18 @@ def exec_plugin(tmp_path: Path, token: str, expires: str | None = None, api_vers
     return script
 
 
+def exec_identity(tmp_path: Path, token: str, expires: str, api_version: str = "v1beta1") -> Identity:
+    """The identity of a kubeconfig whose user is exec_plugin(...)'s script, run by this Python."""
+    script = exec_plugin(tmp_path, token, expires=expires, api_version=api_version)
+    kc = write_kubeconfig(
+        tmp_path / "kc",
+        server="https://x",
+        user={"exec": {"apiVersion": f"client.authentication.k8s.io/{api_version}", "command": sys.executable,
+                       "args": [str(script)]}},
+    )  # fmt: skip
+    return load_identity(kc)
+
+
 def test_kubeconfig_token_and_relative_token_file(tmp_path: Path) -> None:
     (tmp_path / "tok").write_text("from-file\n")
     kc = write_kubeconfig(
@@ -388,14 +400,7 @@ def test_kubeconfig_ca_data_must_be_a_certificate(tmp_path: Path) -> None:
 
 
 async def test_exec_plugin_runs_once_until_it_expires(tmp_path: Path) -> None:
-    script = exec_plugin(tmp_path, "exec-token", expires="2999-01-01T00:00:00Z", api_version="v1")
-    kc = write_kubeconfig(
-        tmp_path / "kc",
-        server="https://x",
-        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
-                       "args": [str(script)]}},
-    )  # fmt: skip
-    ident = load_identity(kc)
+    ident = exec_identity(tmp_path, "exec-token", "2999-01-01T00:00:00Z", api_version="v1")
     first = await ident.credential()
     second = await ident.credential()
     assert first.token == second.token == "exec-token"
@@ -407,14 +412,7 @@ async def test_exec_plugin_runs_once_until_it_expires(tmp_path: Path) -> None:
 
 
 async def test_exec_plugin_expired_token_runs_again(tmp_path: Path) -> None:
-    script = exec_plugin(tmp_path, "short", expires="2000-01-01T00:00:00Z")
-    kc = write_kubeconfig(
-        tmp_path / "kc",
-        server="https://x",
-        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": sys.executable,
-                       "args": [str(script)]}},
-    )  # fmt: skip
-    ident = load_identity(kc)
+    ident = exec_identity(tmp_path, "short", "2000-01-01T00:00:00Z")
     await ident.credential()
     await ident.credential()
     assert (tmp_path / "runs").read_text() == "2"

@@ -34,6 +34,16 @@ from servedmodel.render import RenderContext, deployment
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
 
 
+def assert_verdict(got: str | None, expected: str | None, *also: str) -> None:
+    """No verdict where none is expected; else one that says `expected` and each of `also`."""
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None
+    for part in (expected, *also):
+        assert part in got, got
+
+
 def snap(
     gen: float, running: float = 0, waiting: float = 0, kv: float = 0.1, preempt: float = 0
 ) -> MetricsSnapshot:
@@ -110,14 +120,7 @@ def test_stall_verdict(
     expected: str | None,
 ) -> None:
     got = stall_verdict(outcome(before, after, seconds, TIMEOUT), 100.0, previous)
-    if expected is None:
-        assert got is None
-    else:
-        assert got is not None
-        assert expected in got
-        assert "running" in got
-        assert "waiting" in got
-        assert "KV cache" in got  # the gauges are in the message
+    assert_verdict(got, expected, "running", "waiting", "KV cache")  # the gauges are in the message
 
 
 @pytest.mark.parametrize(
@@ -139,12 +142,7 @@ def test_kv_pressure_verdict(
     before: MetricsSnapshot, after: MetricsSnapshot, previous: Window | None, expected: str | None
 ) -> None:
     got = kv_pressure_verdict(outcome(before, after), previous)
-    if expected is None:
-        assert got is None
-    else:
-        assert got is not None
-        assert expected in got
-        assert "KV cache usage 99%" in got
+    assert_verdict(got, expected, "KV cache usage 99%")
 
 
 def results() -> list[PodResult]:
