@@ -29,6 +29,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -179,22 +180,25 @@ def _close(server: VLLMServer) -> None:
         _servers.remove(server)
 
 
-@pytest.fixture(scope="session")
-def vllm_qwen25(qwen25_dir: Path) -> Iterator[VLLMServer]:
-    server = _serve(qwen25_dir, served_model_name="qwen")
+@contextmanager
+def _serving(model_dir: Path, served_model_name: str) -> Iterator[VLLMServer]:
+    server = _serve(model_dir, served_model_name=served_model_name)
     try:
         yield server
     finally:
         _close(server)
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen25(qwen25_dir: Path) -> Iterator[VLLMServer]:
+    with _serving(qwen25_dir, "qwen") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def vllm_qwen3(qwen3_dir: Path) -> Iterator[VLLMServer]:
-    server = _serve(qwen3_dir, served_model_name="qwen3")
-    try:
+    with _serving(qwen3_dir, "qwen3") as server:
         yield server
-    finally:
-        _close(server)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import json
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,31 +44,78 @@ DETECT_WAIT_S = INTERVAL_S + 20 + 60
 RECOVER_WAIT_S = 4 * INTERVAL_S + 20 + 60
 
 
-def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(cp.kubectl("get", "-n", namespace, "sm", name, "-o", "json").stdout)
-    return out
+@dataclass
+class Watch:
+    """One ServedModel under a fault, with its own operator: waits on its conditions and writes the fault's
+    row (status seen, seconds to it, what cleared it, seconds to clear) into the table."""
 
+    cp: controlplane.ControlPlane
+    namespace: str
+    name: str
+    op: OperatorProcess
+    table: FaultTable
 
-def wait_condition(
-    cp: controlplane.ControlPlane,
-    namespace: str,
-    name: str,
-    type_: str,
-    status: str,
-    timeout: float,
-    op: OperatorProcess,
-) -> tuple[dict[str, Any], float]:
-    """The first condition of that type with that status; and the seconds it took to appear."""
-    t0 = time.monotonic()
+    def sm(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(
+            self.cp.kubectl("get", "-n", self.namespace, "sm", self.name, "-o", "json").stdout
+        )
+        return out
 
-    def seen() -> dict[str, Any] | None:
-        c = condition(sm(cp, namespace, name), type_)
-        return c if c.get("status") == status else None
+    def apply(self, manifest: dict[str, Any]) -> None:
+        apply(self.cp, self.namespace, manifest)
 
-    found: dict[str, Any] = wait_for(
-        f"{type_}={status} on {namespace}/{name}", seen, timeout, interval=0.3, detail=lambda: op.log(40)
-    )
-    return found, time.monotonic() - t0
+    def wait(self, type_: str, status: str, timeout: float) -> tuple[dict[str, Any], float]:
+        """The first condition of that type with that status; and the seconds it took to appear."""
+        t0 = time.monotonic()
+
+        def seen() -> dict[str, Any] | None:
+            c = condition(self.sm(), type_)
+            return c if c.get("status") == status else None
+
+        found: dict[str, Any] = wait_for(
+            f"{type_}={status} on {self.namespace}/{self.name}",
+            seen,
+            timeout,
+            interval=0.3,
+            detail=lambda: self.op.log(40),
+        )
+        return found, time.monotonic() - t0
+
+    def serving(self) -> None:
+        self.wait("Serving", "True", DETECT_WAIT_S)
+
+    def fault(self, reason: str, type_: str = "Serving") -> tuple[dict[str, Any], float]:
+        """The fault's condition (type_=False for `reason`) and the seconds it took to appear."""
+        bad, detect = self.wait(type_, "False", DETECT_WAIT_S)
+        assert bad["reason"] == reason, bad
+        return bad, detect
+
+    def spec_fault(
+        self, manifest: dict[str, Any], reason: str, type_: str = "Serving"
+    ) -> tuple[dict[str, Any], float]:
+        """Applies a manifest whose spec is the fault: the fault's condition, and the seconds from the
+        apply."""
+        t0 = time.monotonic()
+        self.apply(manifest)
+        bad, _ = self.fault(reason, type_)
+        return bad, time.monotonic() - t0
+
+    def cleared(
+        self,
+        fault: str,
+        seen: str,
+        detect: float,
+        cleared_by: str,
+        fixed: dict[str, Any] | None = None,
+        type_: str = "Serving",
+    ) -> dict[str, Any]:
+        """Waits for type_=True again once the fault is cleared (by applying `fixed` when given, else by
+        what the test did just before) and writes the fault's row."""
+        if fixed is not None:
+            self.apply(fixed)
+        good, recover = self.wait(type_, "True", RECOVER_WAIT_S)
+        self.table.append((fault, seen, detect, cleared_by, recover))
+        return good
 
 
 def external(name: str, url: str, **spec: Any) -> dict[str, Any]:
@@ -119,253 +167,167 @@ def with_flags(server: VLLMServer, args: list[str]) -> VLLMServer:
     return server
 
 
+KEYED = {"apiKeySecretRef": {"name": "engine-key", "key": "key"}}
+
+
 @pytest.fixture
-def op_for(
-    start_operator: Callable[..., OperatorProcess], namespace: str
-) -> Callable[[str, VLLMServer], OperatorProcess]:
-    def start(name: str, server: VLLMServer) -> OperatorProcess:
-        return start_operator(
-            namespaces=[namespace], endpoint_override=f"{namespace}/{name}={server.base_url}"
-        )
+def watch(
+    control_plane: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    fault_table: FaultTable,
+) -> Callable[[str, VLLMServer], Watch]:
+    """`watch(name, server)`: an operator probing ServedModel `name` on `server`, and the Watch on it."""
+
+    def start(name: str, server: VLLMServer) -> Watch:
+        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={server.base_url}")
+        return Watch(control_plane, namespace, name, op, fault_table)
 
     return start
 
 
+def keyed(
+    watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer, name: str, *flags: str
+) -> tuple[Watch, VLLMServer]:
+    """A Watch on the module's keyed server, running with --api-key and `flags`; the key in the Secret."""
+    server = with_flags(fault_server, ["--api-key", KEY, *flags])
+    w = watch(name, server)
+    set_secret(w.cp, w.namespace, KEY)
+    return w, server
+
+
 def test_wrong_or_missing_api_key_is_unauthorized_until_the_right_key(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    fault_server: VLLMServer,
-    no_chatml_template: Path,
-    fault_table: FaultTable,
+    watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer, no_chatml_template: Path
 ) -> None:
-    cp = control_plane
-    server = with_flags(fault_server, ["--api-key", KEY, "--chat-template", str(no_chatml_template)])
-    op = op_for("keyed", server)
-    set_secret(cp, namespace, KEY)
-    keyed = {"apiKeySecretRef": {"name": "engine-key", "key": "key"}}
-    apply(cp, namespace, external("keyed", server.base_url, engine=keyed))
-    wait_condition(cp, namespace, "keyed", "Serving", "True", DETECT_WAIT_S, op)
+    w, server = keyed(watch, fault_server, "keyed", "--chat-template", str(no_chatml_template))
+    w.apply(external("keyed", server.base_url, engine=KEYED))
+    w.serving()
 
-    set_secret(cp, namespace, "sk-wrong")
-    bad, detect = wait_condition(cp, namespace, "keyed", "Serving", "False", DETECT_WAIT_S, op)
-    assert bad["reason"] == "Unauthorized", bad
+    set_secret(w.cp, w.namespace, "sk-wrong")
+    bad, detect = w.fault("Unauthorized")
     assert "401" in bad["message"]
-    assert "sk-wrong" not in json.dumps(sm(cp, namespace, "keyed"))
-    set_secret(cp, namespace, KEY)
-    _, recover = wait_condition(cp, namespace, "keyed", "Serving", "True", RECOVER_WAIT_S, op)
-    fault_table.append(
-        (
-            "wrong API key (--api-key)",
-            "Serving=False Unauthorized",
-            detect,
-            "right key in the Secret",
-            recover,
-        )
-    )
+    assert "sk-wrong" not in json.dumps(w.sm())
+    set_secret(w.cp, w.namespace, KEY)
+    w.cleared("wrong API key (--api-key)", "Serving=False Unauthorized", detect, "right key in the Secret")
 
-    apply(cp, namespace, external("keyed", server.base_url))  # no apiKeySecretRef: the key is missing
-    bad, detect = wait_condition(cp, namespace, "keyed", "Serving", "False", DETECT_WAIT_S, op)
-    assert bad["reason"] == "Unauthorized", bad
-    apply(cp, namespace, external("keyed", server.base_url, engine=keyed))
-    _, recover = wait_condition(cp, namespace, "keyed", "Serving", "True", RECOVER_WAIT_S, op)
-    fault_table.append(
-        ("missing API key", "Serving=False Unauthorized", detect, "apiKeySecretRef set", recover)
-    )
-    assert KEY not in json.dumps(sm(cp, namespace, "keyed"))
-    assert KEY not in op.log()
+    w.apply(external("keyed", server.base_url))  # no apiKeySecretRef: the key is missing
+    _, detect = w.fault("Unauthorized")
+    fixed = external("keyed", server.base_url, engine=KEYED)
+    w.cleared("missing API key", "Serving=False Unauthorized", detect, "apiKeySecretRef set", fixed)
+    assert KEY not in json.dumps(w.sm())
+    assert KEY not in w.op.log()
 
 
 def test_chat_template_without_chatml_markers_fails_template_ok(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    fault_server: VLLMServer,
-    no_chatml_template: Path,
-    fault_table: FaultTable,
+    watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer, no_chatml_template: Path
 ) -> None:
-    cp = control_plane
-    server = with_flags(fault_server, ["--api-key", KEY, "--chat-template", str(no_chatml_template)])
-    op = op_for("tmpl", server)
-    set_secret(cp, namespace, KEY)
-    t0 = time.monotonic()
-    apply(
-        cp,
-        namespace,
-        external("tmpl", server.base_url, engine={"apiKeySecretRef": {"name": "engine-key", "key": "key"}}),
+    w, server = keyed(watch, fault_server, "tmpl", "--chat-template", str(no_chatml_template))
+    bad, detect = w.spec_fault(
+        external("tmpl", server.base_url, engine=KEYED), "RoleMarkersMissing", "TemplateOK"
     )
-    bad, _ = wait_condition(cp, namespace, "tmpl", "TemplateOK", "False", DETECT_WAIT_S, op)
-    detect = time.monotonic() - t0
-    assert bad["reason"] == "RoleMarkersMissing", bad
     assert "<|im_start|>" in bad["message"]
-    obj = sm(cp, namespace, "tmpl")
+    obj = w.sm()
     assert condition(obj, "Serving")["status"] == "True"  # the model answers; the check says what is wrong
     assert obj["status"]["probe"]["checks"]["template"]["result"] == "Fail"
 
     # The fault clears when vLLM serves the model's own template again (a restart without the flag).
     server.restart(["--api-key", KEY])
-    t1 = time.monotonic()
-    good, _ = wait_condition(cp, namespace, "tmpl", "TemplateOK", "True", RECOVER_WAIT_S, op)
-    assert good["reason"] == "PromptTokensMatch", good
-    fault_table.append(
-        (
-            "chat template without ChatML markers (--chat-template)",
-            "TemplateOK=False RoleMarkersMissing (Serving stays True)",
-            detect,
-            "vLLM restarted with the model's template",
-            time.monotonic() - t1,
-        )
+    good = w.cleared(
+        "chat template without ChatML markers (--chat-template)",
+        "TemplateOK=False RoleMarkersMissing (Serving stays True)",
+        detect,
+        "vLLM restarted with the model's template",
+        type_="TemplateOK",
     )
+    assert good["reason"] == "PromptTokensMatch", good
 
 
 def test_engine_killed_mid_stream_then_restarted(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    fault_server: VLLMServer,
-    fault_table: FaultTable,
+    watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer
 ) -> None:
-    cp = control_plane
-    server = with_flags(fault_server, ["--api-key", KEY])
-    op = op_for("killed", server)
-    set_secret(cp, namespace, KEY)
+    w, server = keyed(watch, fault_server, "killed")
     # Long answers, so the engine is killed while the probe's stream is in flight.
-    manifest = external(
-        "killed", server.base_url, engine={"apiKeySecretRef": {"name": "engine-key", "key": "key"}}
-    )
+    manifest = external("killed", server.base_url, engine=KEYED)
     manifest["spec"]["probe"].update({"maxTokens": 400, "timeout": 60, "firstByteTimeout": 10})
-    apply(cp, namespace, manifest)
-    wait_condition(cp, namespace, "killed", "Serving", "True", DETECT_WAIT_S, op)
+    w.apply(manifest)
+    w.serving()
     wait_for("the probe's stream in flight", lambda: running(server) >= 1, 120, interval=0.05)
     time.sleep(0.3)  # some tokens out
     server.signal_engine(signal.SIGKILL)
-    bad, detect = wait_condition(cp, namespace, "killed", "Serving", "False", DETECT_WAIT_S, op)
     # vLLM ends the stream with an error event ("EngineCore encountered an issue"), then answers
     # /health 503 and exits: the cycle in flight says so.
-    assert bad["reason"] == "MalformedStream", bad
+    bad, detect = w.fault("MalformedStream")
     assert "EngineCore" in bad["message"], bad
-    later, _ = wait_condition_reason(cp, namespace, "killed", ("ConnectionRefused", "EngineUnhealthy"), op)
+    later = wait_serving_reason(w, ("ConnectionRefused", "EngineUnhealthy"))
 
     server.restart(["--api-key", KEY])  # what the Deployment's restart does for a pod
-    t1 = time.monotonic()
-    _, _ = wait_condition(cp, namespace, "killed", "Serving", "True", RECOVER_WAIT_S, op)
-    fault_table.append(
-        (
-            "engine killed mid-stream (SIGKILL EngineCore + Worker)",
-            f"Serving=False MalformedStream (error event), then {later}",
-            detect,
-            "vLLM restarted",
-            time.monotonic() - t1,
-        )
+    w.cleared(
+        "engine killed mid-stream (SIGKILL EngineCore + Worker)",
+        f"Serving=False MalformedStream (error event), then {later}",
+        detect,
+        "vLLM restarted",
     )
 
 
-def wait_condition_reason(
-    cp: controlplane.ControlPlane, namespace: str, name: str, reasons: tuple[str, ...], op: OperatorProcess
-) -> tuple[str, float]:
-    t0 = time.monotonic()
+def wait_serving_reason(w: Watch, reasons: tuple[str, ...]) -> str:
+    """The first Serving=False reason among `reasons`."""
 
     def seen() -> str | None:
-        c = condition(sm(cp, namespace, name), "Serving")
+        c = condition(w.sm(), "Serving")
         return str(c["reason"]) if c.get("status") == "False" and c.get("reason") in reasons else None
 
     reason: str = wait_for(
-        f"Serving=False {reasons}", seen, RECOVER_WAIT_S, interval=0.3, detail=lambda: op.log(40)
+        f"Serving=False {reasons}", seen, RECOVER_WAIT_S, interval=0.3, detail=lambda: w.op.log(40)
     )
-    return reason, time.monotonic() - t0
+    return reason
 
 
 def test_engine_frozen_stalls_the_stream_until_thawed(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    vllm_qwen25: VLLMServer,
-    fault_table: FaultTable,
+    watch: Callable[[str, VLLMServer], Watch], vllm_qwen25: VLLMServer
 ) -> None:
-    cp = control_plane
-    op = op_for("frozen", vllm_qwen25)
-    apply(cp, namespace, external("frozen", vllm_qwen25.base_url))
-    wait_condition(cp, namespace, "frozen", "Serving", "True", DETECT_WAIT_S, op)
+    w = watch("frozen", vllm_qwen25)
+    w.apply(external("frozen", vllm_qwen25.base_url))
+    w.serving()
     vllm_qwen25.signal_engine(signal.SIGSTOP)
     try:
-        bad, detect = wait_condition(cp, namespace, "frozen", "Serving", "False", DETECT_WAIT_S, op)
+        # /health, /v1/models and /tokenize live in the API server and still answer: the stream stalls.
+        _, detect = w.fault("StreamStalled")
     finally:
         vllm_qwen25.signal_engine(signal.SIGCONT)
-    t1 = time.monotonic()
-    # /health, /v1/models and /tokenize live in the API server and still answer: the stream stalls.
-    assert bad["reason"] == "StreamStalled", bad
-    _, _ = wait_condition(cp, namespace, "frozen", "Serving", "True", RECOVER_WAIT_S, op)
-    fault_table.append(
-        (
-            "engine frozen (SIGSTOP EngineCore + Worker)",
-            "Serving=False StreamStalled",
-            detect,
-            "SIGCONT",
-            time.monotonic() - t1,
-        )
+    w.cleared("engine frozen (SIGSTOP EngineCore + Worker)", "Serving=False StreamStalled", detect, "SIGCONT")
+
+
+def test_model_name_not_served(watch: Callable[[str, VLLMServer], Watch], vllm_qwen25: VLLMServer) -> None:
+    w = watch("named", vllm_qwen25)
+    bad, detect = w.spec_fault(
+        external("named", vllm_qwen25.base_url, servedModelName="qwen-72b"), "ModelNotServed"
     )
-
-
-def test_model_name_not_served(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    vllm_qwen25: VLLMServer,
-    fault_table: FaultTable,
-) -> None:
-    cp = control_plane
-    op = op_for("named", vllm_qwen25)
-    t0 = time.monotonic()
-    apply(cp, namespace, external("named", vllm_qwen25.base_url, servedModelName="qwen-72b"))
-    bad, _ = wait_condition(cp, namespace, "named", "Serving", "False", DETECT_WAIT_S, op)
-    detect = time.monotonic() - t0
-    assert bad["reason"] == "ModelNotServed", bad
     assert "qwen-72b" in bad["message"]
     assert "served: qwen" in bad["message"]
-    apply(cp, namespace, external("named", vllm_qwen25.base_url))
-    _, recover = wait_condition(cp, namespace, "named", "Serving", "True", RECOVER_WAIT_S, op)
-    fault_table.append(
-        (
-            "model name the server does not serve",
-            "Serving=False ModelNotServed",
-            detect,
-            "servedModelName fixed",
-            recover,
-        )
+    fixed = external("named", vllm_qwen25.base_url)
+    w.cleared(
+        "model name the server does not serve",
+        "Serving=False ModelNotServed",
+        detect,
+        "servedModelName fixed",
+        fixed,
     )
 
 
 def test_probe_prompt_over_the_context(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    op_for: Callable[[str, VLLMServer], OperatorProcess],
-    vllm_qwen25: VLLMServer,
-    fault_table: FaultTable,
+    watch: Callable[[str, VLLMServer], Watch], vllm_qwen25: VLLMServer
 ) -> None:
-    cp = control_plane
-    op = op_for("long", vllm_qwen25)
+    w = watch("long", vllm_qwen25)
     # 4 messages of ~1,365 tokens each: over max_model_len 4096 (each message is at most 8,192 characters).
     long_messages = [{"role": "user", "content": (" hello" * 1365)[1:]} for _ in range(4)]
     manifest = external("long", vllm_qwen25.base_url)
     manifest["spec"]["probe"]["messages"] = long_messages
-    t0 = time.monotonic()
-    apply(cp, namespace, manifest)
-    bad, _ = wait_condition(cp, namespace, "long", "Serving", "False", DETECT_WAIT_S, op)
-    detect = time.monotonic() - t0
-    assert bad["reason"] == "PromptTooLong", bad
+    bad, detect = w.spec_fault(manifest, "PromptTooLong")
     assert "maximum context length is 4096 tokens" in bad["message"]
-    apply(cp, namespace, external("long", vllm_qwen25.base_url))
-    _, recover = wait_condition(cp, namespace, "long", "Serving", "True", RECOVER_WAIT_S, op)
-    probe = sm(cp, namespace, "long")["status"]["probe"]
+    fixed = external("long", vllm_qwen25.base_url)
+    fault = "probe prompt over the context (max_model_len 4096)"
+    w.cleared(fault, "Serving=False PromptTooLong", detect, "spec.probe.messages fixed", fixed)
+    probe = w.sm()["status"]["probe"]
     # The limits check is the same refusal, asked for on purpose: Pass with vLLM's own words.
     assert probe["checks"]["limits"]["result"] == "Pass"
     assert "maximum context length is 4096 tokens" in probe["checks"]["limits"]["message"]
-    fault_table.append(
-        (
-            "probe prompt over the context (max_model_len 4096)",
-            "Serving=False PromptTooLong",
-            detect,
-            "spec.probe.messages fixed",
-            recover,
-        )
-    )
