@@ -74,22 +74,18 @@ def promtool() -> str:
     return exe
 
 
+def run_promtool(promtool: str, cwd: Path, *args: str, timeout: float = 60) -> None:
+    """`promtool ARGS` in `cwd`; fails the test with promtool's output unless it succeeds."""
+    res = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 @pytest.mark.prometheus
 def test_alerts_fire_when_they_should(promtool: str, tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups()}))
     shutil.copy(PROMTOOL_CASES, tmp_path / "alerts_test.yaml")
-    check = subprocess.run(
-        [promtool, "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    test = subprocess.run(
-        [promtool, "test", "rules", "alerts_test.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert test.returncode == 0, test.stdout + test.stderr
+    run_promtool(promtool, tmp_path, "check", "rules", "rules.yaml")
+    run_promtool(promtool, tmp_path, "test", "rules", "alerts_test.yaml", timeout=120)
 
 
 @pytest.mark.prometheus
@@ -116,14 +112,7 @@ def test_dashboard_queries_parse(promtool: str, tmp_path: Path) -> None:
         ]
     }
     (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump(rules))
-    res = subprocess.run(
-        [promtool, "check", "rules", "dashboard.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    run_promtool(promtool, tmp_path, "check", "rules", "dashboard.yaml")
 
 
 def test_dashboard_shape() -> None:
