@@ -5,21 +5,15 @@
 # Nothing here is committed; see docs/control-plane.md.
 set -euo pipefail
 
-HACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=hack/versions.env
-source "${HACK_DIR}/versions.env"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-CACHE="${SERVEDMODEL_CACHE:-${HOME}/.cache/servedmodel}"
 ROOT="${CACHE}/k8s-${K8S_VERSION}"
 BIN="${ROOT}/bin"
 WORK="${ROOT}/work"
 STAGES="${ROOT}/kwok-stages"
 K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
-# Never fetch a different Go toolchain behind the user's back; build static binaries.
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod"
-
-log() { printf '[build-control-plane] %s\n' "$*" >&2; }
 have() { [[ -x "${BIN}/$1" ]]; }
 
 missing=()
@@ -28,7 +22,7 @@ if [[ ${#missing[@]} -eq 0 && -d "${STAGES}" ]]; then
   log "all components present in ${BIN} (delete it to rebuild)"
   exit 0
 fi
-command -v go >/dev/null || { log "no Go toolchain on PATH: cannot build ${missing[*]}"; exit 1; }
+need_go "${missing[*]}"
 mkdir -p "${BIN}" "${WORK}"
 log "Go $(go env GOVERSION); building ${missing[*]} into ${BIN}"
 start_all=$(date +%s)

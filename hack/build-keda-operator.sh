@@ -7,17 +7,14 @@
 # Cold on 2 busy cores this takes the best part of an hour (KEDA links every scaler's cloud SDK).
 set -euo pipefail
 
-KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"  # the same pin as hack/olm_tools.py's KEDA CRDs
-CACHE="${SERVEDMODEL_CACHE:-${HOME}/.cache/servedmodel}"
-ROOT="${CACHE}/keda-${KEDA_VERSION}"
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod"
-log() { printf '[build-keda-operator] %s\n' "$*" >&2; }
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-if [[ -x "${ROOT}/keda-operator" ]]; then
-  log "present: ${ROOT}/keda-operator (delete it to rebuild)"
-  exit 0
-fi
-command -v go >/dev/null || { log "no Go toolchain on PATH"; exit 1; }
+KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"  # the same pin as hack/olm_tools.py's KEDA CRDs
+ROOT="${CACHE}/keda-${KEDA_VERSION}"
+
+exit_if_built "${ROOT}/keda-operator"
+need_go "KEDA's operator"
 mkdir -p "${ROOT}"
 t0=$(date +%s)
 src="$(go mod download -json "github.com/kedacore/keda/v2@${KEDA_VERSION}" | jq -r .Dir)"

@@ -5,23 +5,14 @@
 # Skipped when present. Nothing here is committed; see docs/operations.md (Autoscaling).
 set -euo pipefail
 
-HACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=hack/versions.env
-source "${HACK_DIR}/versions.env"
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-CACHE="${SERVEDMODEL_CACHE:-${HOME}/.cache/servedmodel}"
 ROOT="${CACHE}/prometheus-adapter-${PROMETHEUS_ADAPTER_VERSION}"
 BIN="${ROOT}/bin"
 
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod"
-
-log() { printf '[build-prometheus-adapter] %s\n' "$*" >&2; }
-
-if [[ -x "${BIN}/adapter" ]]; then
-  log "present: ${BIN}/adapter (delete it to rebuild)"
-  exit 0
-fi
-command -v go >/dev/null || { log "no Go toolchain on PATH: cannot build prometheus-adapter"; exit 1; }
+exit_if_built "${BIN}/adapter"
+need_go prometheus-adapter
 mkdir -p "${BIN}"
 t0=$(date +%s)
 log "Go $(go env GOVERSION); building sigs.k8s.io/prometheus-adapter@${PROMETHEUS_ADAPTER_VERSION} into ${BIN}"
