@@ -128,37 +128,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--log-level", default="INFO")
 
 
+# EngineConfig's fields set by vLLM's own flags (--max-model-len ...) and by the simulator's timing flags
+# (--sim-step-base-ms ...), and the faults the command line can set (--sim-error-rate ...).
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "block_size", "num_gpu_blocks", "seed")
+ENGINE_SIM_FLAGS = (
+    "step_base_ms",
+    "prefill_token_ms",
+    "running_seq_ms",
+    "handoff_ms",
+    "noise",
+    "mean_output_tokens",
+)
+FAULT_FLAGS = (
+    "error_rate",
+    "error_status",
+    "stall_after_tokens",
+    "drop_after_tokens",
+    "first_byte_delay_ms",
+    "malformed_chunk_rate",
+    "dead",
+    "ignore_stop",
+)
+
+
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
     chunked = bool(args.enable_chunked_prefill)
     batched = args.max_num_batched_tokens
     if batched is None:
         batched = 8192 if chunked else max(args.max_model_len, 2048)
     engine = EngineConfig(
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
         enable_prefix_caching=bool(args.enable_prefix_caching),
         enable_chunked_prefill=chunked,
-        step_base_ms=args.sim_step_base_ms,
-        prefill_token_ms=args.sim_prefill_token_ms,
-        running_seq_ms=args.sim_running_seq_ms,
-        handoff_ms=args.sim_handoff_ms,
-        noise=args.sim_noise,
-        mean_output_tokens=args.sim_mean_output_tokens,
-        seed=args.seed,
+        **{name: getattr(args, name) for name in ENGINE_FLAGS},
+        **{name: getattr(args, f"sim_{name}") for name in ENGINE_SIM_FLAGS},
     )
-    faults = Faults(
-        error_rate=args.sim_error_rate,
-        error_status=args.sim_error_status,
-        stall_after_tokens=args.sim_stall_after_tokens,
-        drop_after_tokens=args.sim_drop_after_tokens,
-        first_byte_delay_ms=args.sim_first_byte_delay_ms,
-        malformed_chunk_rate=args.sim_malformed_chunk_rate,
-        dead=args.sim_dead,
-        ignore_stop=args.sim_ignore_stop,
-    )
+    faults = Faults(**{name: getattr(args, f"sim_{name}") for name in FAULT_FLAGS})
     model = args.model or args.model_flag or DEFAULT_MODEL
     return SimSettings(
         model=model,
