@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
-from servedmodel.sim.process import free_port
+from servedmodel.sim.ports import free_port
 
 # A simulated Qwen2.5-7B served as "qwen" (max_model_len 2048) stepping every 2 ms: the engine the probe
 # and simulator tests talk to (`SimulatorProcess(SIM_ARGS)`).

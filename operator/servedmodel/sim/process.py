@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,36 +36,8 @@ from typing import IO
 from aiohttp import web
 
 from servedmodel.sim.cli import add_arguments, settings_from_args
+from servedmodel.sim.ports import free_port, health_status, port_open
 from servedmodel.sim.server import Simulator
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _health_status(port: int, timeout: float) -> int | None:
-    """GET /health with the standard library (no client dependency here); None if nothing answers."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status
-    except OSError:
-        return None
-    finally:
-        conn.close()
-
-
-def _port_open(port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 class SimulatorProcess:
@@ -120,8 +91,8 @@ class SimulatorProcess:
         if self._proc.poll() is not None:
             raise RuntimeError(f"simulator exited with {self._proc.returncode}:\n{self.log_text()}")
         if "--sim-startup-delay" in self.args or "--sim-dead" in self.args:
-            return _port_open(self.port, 0.5)
-        return _health_status(self.port, 1.0) == 200
+            return port_open(self.port, 0.5)
+        return health_status(self.port, 1.0) == 200
 
     def start(self) -> SimulatorProcess:
         self._spawn()
