@@ -91,29 +91,44 @@ def _tiny_dims() -> dict[str, Any]:
     }
 
 
+def _tiny(
+    family: str,
+    name: str,
+    architecture: str,
+    model_type: str,
+    added_tokens: tuple[str, ...],
+    template: str,
+    config: dict[str, Any],
+    generation: dict[str, Any],
+) -> TinyModel:
+    """A TinyModel whose config.json is the architecture, the tiny dimensions and `config` (its
+    transformers_version last), and whose generation_config.json is Qwen's token ids and `generation`."""
+    version = config.pop("transformers_version")
+    full_config = {"architectures": [architecture], "model_type": model_type, **_tiny_dims(), **config}
+    full_generation = {
+        "bos_token_id": 151643,
+        "pad_token_id": 151643,
+        "do_sample": True,
+        "eos_token_id": [151645, 151643],
+        **generation,
+    }
+    full_config["transformers_version"] = version
+    return TinyModel(
+        family, name, architecture, model_type, added_tokens, template, full_config, full_generation
+    )
+
+
 def model_spec(family: str) -> TinyModel:
     if family == "qwen2.5":
         config = {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            **_tiny_dims(),
             "max_position_embeddings": 32768,
             "sliding_window": 32768,
             "max_window_layers": 21,
             "transformers_version": QWEN25_TRANSFORMERS,
         }
-        generation = {
-            "bos_token_id": 151643,
-            "pad_token_id": 151643,
-            "do_sample": True,
-            "eos_token_id": [151645, 151643],
-            "repetition_penalty": 1.1,
-            "temperature": 0.7,
-            "top_p": 0.8,
-            "top_k": 20,
-            "transformers_version": "4.37.0",
-        }
-        return TinyModel(
+        sampling = {"repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+        generation = {**sampling, "transformers_version": "4.37.0"}
+        return _tiny(
             family,
             "tiny-qwen2.5-instruct",
             "Qwen2ForCausalLM",
@@ -125,9 +140,6 @@ def model_spec(family: str) -> TinyModel:
         )
     if family == "qwen3":
         config = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            **_tiny_dims(),
             "head_dim": 32,
             "attention_bias": False,
             "max_position_embeddings": 40960,
@@ -136,17 +148,8 @@ def model_spec(family: str) -> TinyModel:
             "rope_scaling": None,
             "transformers_version": QWEN3_TRANSFORMERS,
         }
-        generation = {
-            "bos_token_id": 151643,
-            "pad_token_id": 151643,
-            "do_sample": True,
-            "eos_token_id": [151645, 151643],
-            "temperature": 0.6,
-            "top_p": 0.95,
-            "top_k": 20,
-            "transformers_version": QWEN3_TRANSFORMERS,
-        }
-        return TinyModel(
+        sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+        return _tiny(
             family,
             "tiny-qwen3",
             "Qwen3ForCausalLM",
@@ -154,7 +157,7 @@ def model_spec(family: str) -> TinyModel:
             QWEN_ADDED_TOKENS[:26],
             QWEN3_TEMPLATE.read_text(),
             config,
-            generation,
+            {**sampling, "transformers_version": QWEN3_TRANSFORMERS},
         )
     raise ValueError(f"unknown model family {family!r}: one of {', '.join(FAMILIES)}")
 
