@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import signal
+from typing import Any
 
 from servedmodel.sim.engine import EngineConfig
 from servedmodel.sim.faults import Faults
@@ -128,27 +130,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--log-level", default="INFO")
 
 
-# EngineConfig's fields set by vLLM's own flags (--max-model-len ...) and by the simulator's timing flags
-# (--sim-step-base-ms ...), and the faults the command line can set (--sim-error-rate ...).
+# EngineConfig's fields that vLLM's own flags set (--max-model-len ...); the simulator's timing flags and
+# the faults' flags are --sim-<field> of EngineConfig's and Faults' fields (--sim-step-base-ms ...).
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "block_size", "num_gpu_blocks", "seed")
-ENGINE_SIM_FLAGS = (
-    "step_base_ms",
-    "prefill_token_ms",
-    "running_seq_ms",
-    "handoff_ms",
-    "noise",
-    "mean_output_tokens",
-)
-FAULT_FLAGS = (
-    "error_rate",
-    "error_status",
-    "stall_after_tokens",
-    "drop_after_tokens",
-    "first_byte_delay_ms",
-    "malformed_chunk_rate",
-    "dead",
-    "ignore_stop",
-)
+
+
+def sim_flags(args: argparse.Namespace, config: type[EngineConfig] | type[Faults]) -> dict[str, Any]:
+    """The fields of `config` that a --sim-<field> flag sets, from those flags."""
+    names = (f.name for f in dataclasses.fields(config))
+    return {name: getattr(args, f"sim_{name}") for name in names if hasattr(args, f"sim_{name}")}
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
@@ -161,9 +151,9 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         enable_prefix_caching=bool(args.enable_prefix_caching),
         enable_chunked_prefill=chunked,
         **{name: getattr(args, name) for name in ENGINE_FLAGS},
-        **{name: getattr(args, f"sim_{name}") for name in ENGINE_SIM_FLAGS},
+        **sim_flags(args, EngineConfig),
     )
-    faults = Faults(**{name: getattr(args, f"sim_{name}") for name in FAULT_FLAGS})
+    faults = Faults(**sim_flags(args, Faults))
     model = args.model or args.model_flag or DEFAULT_MODEL
     return SimSettings(
         model=model,

@@ -225,25 +225,19 @@ class SimMetrics:
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.h_queue = histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.h_inference = histogram(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.h_prefill = histogram(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.h_decode = histogram(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
+        # Time spent in each phase of a request, named after vLLM's request states.
+        self.h_queue, self.h_inference, self.h_prefill, self.h_decode = (
+            histogram(
+                f"vllm:request_{phase}_time_seconds",
+                f"Histogram of time spent in {state} phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+            for phase, state in (
+                ("queue", "WAITING"),
+                ("inference", "RUNNING"),
+                ("prefill", "PREFILL"),
+                ("decode", "DECODE"),
+            )
         )
         self.h_preemptions = histogram(
             "vllm:request_num_preemptions",
