@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from servedmodel.probe.checks import (
-    LearnedStop,
-    check_limits,
-    check_stop,
-    check_streaming,
-    check_template,
-    check_usage,
-    family_of,
-    pick_stop_string,
-)
+from servedmodel.probe import checks
+from servedmodel.probe.checks import LearnedStop
 from servedmodel.probe.metrics import WindowDelta
 from servedmodel.probe.sse import Delivery
 
@@ -38,32 +30,32 @@ LLAMA3 = (
     ],
 )
 def test_family_from_name_or_root(names: tuple[str, str | None], family: str | None) -> None:
-    assert family_of(*names) == family
+    assert checks.family_of(*names) == family
 
 
 def test_template_passes_with_markers_and_matching_count() -> None:
-    c = check_template("chatml", CHATML, ["user"], 19, 19)
+    c = checks.check_template("chatml", CHATML, ["user"], 19, 19)
     assert (c.result, c.reason) == ("Pass", "PromptTokensMatch")
 
 
 def test_template_fails_when_another_familys_template_renders() -> None:
-    c = check_template("chatml", LLAMA3, ["user"], 12, 12)
+    c = checks.check_template("chatml", LLAMA3, ["user"], 12, 12)
     assert (c.result, c.reason) == ("Fail", "RoleMarkersMissing")
     assert "<|im_start|>user" in c.message
 
 
 def test_template_fails_on_count_mismatch() -> None:
-    c = check_template("chatml", CHATML, ["user"], 19, 23)
+    c = checks.check_template("chatml", CHATML, ["user"], 19, 23)
     assert (c.result, c.reason) == ("Fail", "PromptTokensMismatch")
 
 
 def test_template_fails_when_tokenize_fails() -> None:
-    c = check_template("chatml", None, ["user"], None, 19, tokenize_error="POST /tokenize: HTTP 500")
+    c = checks.check_template("chatml", None, ["user"], None, 19, tokenize_error="POST /tokenize: HTTP 500")
     assert (c.result, c.reason) == ("Fail", "TokenizeFailed")
 
 
 def test_template_unknown_family_still_compares_counts() -> None:
-    c = check_template(None, LLAMA3, ["user"], 12, 12)
+    c = checks.check_template(None, LLAMA3, ["user"], 12, 12)
     assert c.result == "Pass"
     assert "unknown" in c.message
 
@@ -82,7 +74,7 @@ def test_template_unknown_family_still_compares_counts() -> None:
 def test_limits(
     enabled: bool, mml: int | None, status: int | None, error: str | None, want: tuple[str, str]
 ) -> None:
-    c = check_limits(enabled, mml, status, "maximum context length is 4096 tokens", error)
+    c = checks.check_limits(enabled, mml, status, "maximum context length is 4096 tokens", error)
     assert (c.result, c.reason) == want
 
 
@@ -97,12 +89,12 @@ def test_limits(
     ],
 )
 def test_stop(content: str, finish: str, stop_reason: str | None, want: tuple[str, str]) -> None:
-    c = check_stop(["five"], content, finish, stop_reason)
+    c = checks.check_stop(["five"], content, finish, stop_reason)
     assert (c.result, c.reason) == want
 
 
 def test_stop_skipped_without_stop_strings() -> None:
-    assert check_stop([], "x", "length", None).result == "Skipped"
+    assert checks.check_stop([], "x", "length", None).result == "Skipped"
 
 
 @pytest.mark.parametrize(
@@ -110,7 +102,7 @@ def test_stop_skipped_without_stop_strings() -> None:
     ["eg  Rout tokenizer 随机 glyph salad zq", "aaaa aaaa aaaa bbbb", "x y", "[probe 12345678] Repeat"],
 )
 def test_picked_stop_string_first_occurs_where_picked(content: str) -> None:
-    picked = pick_stop_string(content)
+    picked = checks.pick_stop_string(content)
     assert picked is not None
     stop, offset = picked
     assert offset > 0
@@ -119,13 +111,13 @@ def test_picked_stop_string_first_occurs_where_picked(content: str) -> None:
 
 
 def test_nothing_to_learn_from_a_tiny_or_blank_answer() -> None:
-    assert pick_stop_string("a") is None
-    assert pick_stop_string("   ") is None
-    assert pick_stop_string("\ufffd\ufffd\ufffd") is None
+    assert checks.pick_stop_string("a") is None
+    assert checks.pick_stop_string("   ") is None
+    assert checks.pick_stop_string("\ufffd\ufffd\ufffd") is None
 
 
 def test_picked_stop_avoids_the_probes_own_stop_strings() -> None:
-    picked = pick_stop_string("one two three four", avoid=["four", "three"])
+    picked = checks.pick_stop_string("one two three four", avoid=["four", "three"])
     assert picked is not None
     assert "four" not in picked[0]
     assert "three" not in picked[0]
@@ -148,26 +140,26 @@ FIRST = "ab cd ef gh ij"
 def test_learned_stop(learned: LearnedStop, want: tuple[str, str]) -> None:
     """The model never says the probe's stop string (dummy weights): the verdict rests on the stop
     string learned from its own answer."""
-    c = check_stop(["five"], FIRST, "length", None, learned)
+    c = checks.check_stop(["five"], FIRST, "length", None, learned)
     assert (c.result, c.reason) == want
 
 
 def test_own_stop_reached_needs_no_learning() -> None:
     learned = LearnedStop("ef", 6, FIRST, FIRST, "length", None)
-    c = check_stop(["five"], "one two ", "stop", "five", learned)
+    c = checks.check_stop(["five"], "one two ", "stop", "five", learned)
     assert (c.result, c.reason) == ("Pass", "StoppedAtStop")
 
 
 def test_streaming_check() -> None:
     live = Delivery(False, 16, 16, 16, 90.0, 90.2, 6.0)
-    assert check_streaming(live).result == "Pass"
-    shared = check_streaming(Delivery(False, 16, 8, 8, 90.0, None, None))
+    assert checks.check_streaming(live).result == "Pass"
+    shared = checks.check_streaming(Delivery(False, 16, 8, 8, 90.0, None, None))
     assert (shared.result, shared.reason) == ("Pass", "TokensStreamed")
     assert "8 token(s) shared a chunk" in shared.message
-    lump = check_streaming(Delivery(True, 16, 16, 1, 0.1, 90.0, 6.0))
+    lump = checks.check_streaming(Delivery(True, 16, 16, 1, 0.1, 90.0, 6.0))
     assert (lump.result, lump.reason) == ("Fail", "CoalescedStream")
     assert "server decode 90.00 ms" in lump.message
-    assert check_streaming(Delivery(False, 1, 1, 1, None, None, None)).result == "Skipped"
+    assert checks.check_streaming(Delivery(False, 1, 1, 1, None, None, None)).result == "Skipped"
 
 
 def window(prompt: float, gen: float, done: float = 1) -> WindowDelta:
@@ -208,5 +200,5 @@ def test_usage(
     isolated: bool | None,
     want: tuple[str, str],
 ) -> None:
-    c = check_usage(usage, chunks, 1, win, isolated)
+    c = checks.check_usage(usage, chunks, 1, win, isolated)
     assert (c.result, c.reason) == want

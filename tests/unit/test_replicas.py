@@ -11,21 +11,12 @@ import pytest
 from servedmodel.api import ServedModel
 from servedmodel.api.conditions import ENGINE_STALLED, REPLICAS_FAILING
 from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec
+from servedmodel.probe import replicas
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
 from servedmodel.probe.errors import FIRST_BYTE_TIMEOUT, SECRET_UNAVAILABLE, STREAM_CUT, ProbeFailure
 from servedmodel.probe.metrics import MetricsSnapshot
-from servedmodel.probe.replicas import (
-    PodResult,
-    Window,
-    aggregate,
-    gate_condition,
-    kv_pressure_verdict,
-    merge_pods,
-    replica_conditions,
-    stall_verdict,
-    summarize,
-)
+from servedmodel.probe.replicas import PodResult, Window
 from servedmodel.probe.report import build_status
 from servedmodel.probe.sse import ClientFigures
 from servedmodel.probing import containers_ready
@@ -119,7 +110,7 @@ def test_stall_verdict(
     previous: Window | None,
     expected: str | None,
 ) -> None:
-    got = stall_verdict(outcome(before, after, seconds, TIMEOUT), 100.0, previous)
+    got = replicas.stall_verdict(outcome(before, after, seconds, TIMEOUT), 100.0, previous)
     assert_verdict(got, expected, "running", "waiting", "KV cache")  # the gauges are in the message
 
 
@@ -141,7 +132,7 @@ def test_stall_verdict(
 def test_kv_pressure_verdict(
     before: MetricsSnapshot, after: MetricsSnapshot, previous: Window | None, expected: str | None
 ) -> None:
-    got = kv_pressure_verdict(outcome(before, after), previous)
+    got = replicas.kv_pressure_verdict(outcome(before, after), previous)
     assert_verdict(got, expected, "KV cache usage 99%")
 
 
@@ -157,13 +148,13 @@ def results() -> list[PodResult]:
 def test_an_idle_engine_that_answers_is_not_stalled() -> None:
     """Nothing waits, nothing runs, the chat failed for another reason (a 500 at the door): no stall."""
     failure = ProbeFailure(STREAM_CUT, "cut")
-    assert stall_verdict(outcome(snap(100), snap(100), 20.0, failure), 100.0, None) is None
-    assert stall_verdict(outcome(snap(100), snap(100), 20.0), 100.0, None) is None  # success: never
+    assert replicas.stall_verdict(outcome(snap(100), snap(100), 20.0, failure), 100.0, None) is None
+    assert replicas.stall_verdict(outcome(snap(100), snap(100), 20.0), 100.0, None) is None  # success: never
 
 
 def test_one_failing_replica_of_three_is_named_and_still_serving() -> None:
     rs = results()
-    agg = aggregate(rs)
+    agg = replicas.aggregate(rs)
     assert agg.ok
     assert agg.figures is not None
     assert agg.figures.ttft_ms == 20.0  # the median of the serving pods
@@ -171,8 +162,8 @@ def test_one_failing_replica_of_three_is_named_and_still_serving() -> None:
     assert agg.after.gauges["running"] == 0
     assert agg.after.counters["generation_tokens"] == 18 + 28 + 5  # summed over pods
     status = build_status(agg, ProbeSpec(), None)
-    pods = merge_pods([], rs, [r.name for r in rs])
-    status = summarize(status, pods, 3)
+    pods = replicas.merge_pods([], rs, [r.name for r in rs])
+    status = replicas.summarize(status, pods, 3)
     assert status.serving == "2/3"
     assert status.reason == REPLICAS_FAILING
     assert status.message is not None
@@ -191,10 +182,12 @@ def test_no_replica_serving_fails_with_the_first_pods_reason() -> None:
     rs = [r for r in results() if not r.serving] + [
         PodResult("q-d", "u", outcome(snap(1), snap(1), 1.0, TIMEOUT))
     ]
-    agg = aggregate(rs)
+    agg = replicas.aggregate(rs)
     assert agg.failure is not None
     assert agg.failure.reason == STREAM_CUT
-    status = summarize(build_status(agg, ProbeSpec(), None), merge_pods([], rs, ["q-c", "q-d"]), 2)
+    status = replicas.summarize(
+        build_status(agg, ProbeSpec(), None), replicas.merge_pods([], rs, ["q-c", "q-d"]), 2
+    )
     assert status.serving == "0/2"
     assert status.result == "Failure"
     assert status.message is not None
@@ -203,25 +196,25 @@ def test_no_replica_serving_fails_with_the_first_pods_reason() -> None:
 
 def test_rotation_keeps_the_last_entry_of_pods_not_probed_this_cycle() -> None:
     rs = results()
-    first = merge_pods([], rs, ["q-a", "q-b", "q-c"])
-    again = merge_pods(first, rs[:1], ["q-a", "q-b", "q-c"])
+    first = replicas.merge_pods([], rs, ["q-a", "q-b", "q-c"])
+    again = replicas.merge_pods(first, rs[:1], ["q-a", "q-b", "q-c"])
     assert [p.name for p in again] == ["q-a", "q-b", "q-c"]
     assert again[2] == first[2]
     # a pod that went away drops out
-    assert [p.name for p in merge_pods(first, rs[:1], ["q-a"])] == ["q-a"]
+    assert [p.name for p in replicas.merge_pods(first, rs[:1], ["q-a"])] == ["q-a"]
 
 
 def test_engine_stalled_condition_with_the_pods_and_gauges() -> None:
     rs = results()
-    rs[2].stalled = stall_verdict(outcome(snap(5, running=2), snap(5, running=2)), 0.0, None)
+    rs[2].stalled = replicas.stall_verdict(outcome(snap(5, running=2), snap(5, running=2)), 0.0, None)
     assert rs[2].reason == ENGINE_STALLED
-    conds = {c.type: c for c in replica_conditions(rs, [], 3, T0)}
+    conds = {c.type: c for c in replicas.replica_conditions(rs, [], 3, T0)}
     assert conds["EngineStalled"].status == "True"
     assert conds["EngineStalled"].message.startswith("pod q-c: generation counter flat at 5 tokens")
     assert conds["KVCachePressure"].status == "False"
     # no gauges read at all (metrics unavailable): neither condition is claimed
     blind = [PodResult("x", "u", outcome(None, None))]
-    assert replica_conditions(blind, [], 3, T0) == []
+    assert replicas.replica_conditions(blind, [], 3, T0) == []
 
 
 def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -237,16 +230,16 @@ def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> di
 
 def test_gate_condition_written_only_on_change_and_never_for_operator_side_failures() -> None:
     ok, _, bad = results()
-    cond = gate_condition(bad, pod("q-c"), T0)
+    cond = replicas.gate_condition(bad, pod("q-c"), T0)
     assert cond is not None
     assert (cond["type"], cond["status"], cond["reason"]) == (READINESS_GATE_CONDITION, "False", "StreamCut")
-    assert gate_condition(bad, pod("q-c", gate=cond), T0) is None  # already says so
-    back = gate_condition(ok, pod("q-a", gate=cond), T0 + timedelta(minutes=1))
+    assert replicas.gate_condition(bad, pod("q-c", gate=cond), T0) is None  # already says so
+    back = replicas.gate_condition(ok, pod("q-a", gate=cond), T0 + timedelta(minutes=1))
     assert back is not None
     assert (back["status"], back["reason"]) == ("True", "ChatCompletionSucceeded")
     assert back["lastTransitionTime"] == "2026-12-01T10:01:00Z"
     secret = PodResult("q-a", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
-    assert gate_condition(secret, pod("q-a", gate=back), T0) is None
+    assert replicas.gate_condition(secret, pod("q-a", gate=back), T0) is None
 
 
 def test_per_pod_overrides_and_pod_addresses() -> None:
