@@ -4,13 +4,45 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
+import olm_tools
+
+T = TypeVar("T")
+
+
+@contextmanager
+def own_control_plane(fetch: Callable[[], T]) -> Iterator[tuple[controlplane.ControlPlane, T]]:
+    """A control plane of a module's own (for cluster-wide objects the session's must not see), and what
+    `fetch` gets for it (olm_tools' CRDs); the module is skipped when the control plane is not built or
+    `fetch` cannot get it."""
+    missing = controlplane.missing_binaries()
+    if missing:
+        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
+    try:
+        fetched = fetch()
+    except olm_tools.ToolUnavailable as exc:
+        pytest.skip(str(exc))
+    with controlplane.running() as cp:
+        yield cp, fetched
+
+
+@dataclass
+class ProbingOperator:
+    """conftest's `probing` fixture: the test's control plane and namespace, and `start(name, url)`, the
+    operator on that namespace probing ServedModel `name` at `url` (returns conftest's OperatorProcess)."""
+
+    cp: controlplane.ControlPlane
+    namespace: str
+    start: Callable[[str, str], Any]
 
 
 def wait_for(
@@ -34,6 +66,17 @@ def wait_for(
             extra = f"\n{detail()}" if detail else ""
             pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}{extra}")
         time.sleep(interval)
+
+
+def metric_sum(op: Any, sample: str, **labels: str) -> float:
+    """The sum of one sample in the operator's /metrics (`op`: conftest's OperatorProcess) over every series
+    whose labels include `labels`, read with prometheus_client's parser."""
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(op.metrics())
+        for s in fam.samples
+        if s.name == sample and set(labels.items()) <= set(s.labels.items())
+    )
 
 
 def served_model(name: str, **spec: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import cluster_support
 import pytest
 
 import controlplane
@@ -152,6 +153,19 @@ def start_operator(
     finally:
         for op in started:
             op.stop()
+
+
+@pytest.fixture
+def probing(
+    control_plane: controlplane.ControlPlane, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> cluster_support.ProbingOperator:
+    """The test's control plane and namespace, and `probing.start(name, url)`: the operator (healthy) on
+    that namespace, probing ServedModel `name` at `url` through SERVEDMODEL_ENDPOINT_OVERRIDE."""
+
+    def start(name: str, url: str) -> OperatorProcess:
+        return start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={url}")
+
+    return cluster_support.ProbingOperator(control_plane, namespace, start)
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ counts and how many chats reached an engine.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,10 @@ from autoscaling_support import (
     engine_metric,
     keda_operator_binary,
 )
-from cluster_support import apply, condition, served_model
+from cluster_support import ProbingOperator, apply, condition, served_model
 
 import controlplane
+from loopback import PROMETHEUS_MISSING, prometheus_missing
 from servedmodel.api import names
 from servedmodel.scaling import HANDOVER_MANAGER
 from servedmodel.sim.process import SimulatorProcess
@@ -46,6 +47,7 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120.0
 OPERATOR_MANAGER = "servedmodel-operator"
+QUICK_ENGINE = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
 AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "targets": {"waitingRequestsPerReplica": 2}}
 
 
@@ -79,6 +81,72 @@ def generation_seen(cp: controlplane.ControlPlane, namespace: str, name: str) ->
 def status_writes(op: OperatorProcess) -> float:
     lines = [x for x in op.metrics().splitlines() if x.startswith("servedmodel_status_writes_total ")]
     return float(lines[0].split()[1]) if lines else 0.0
+
+
+@dataclass
+class Watched:
+    """One ServedModel's status, polled."""
+
+    cp: controlplane.ControlPlane
+    namespace: str
+    name: str
+
+    def autoscaling(self) -> dict[str, Any]:
+        """status.autoscaling, {} when there is none (or no ServedModel)."""
+        obj = get(self.cp, self.namespace, "servedmodel", self.name) or {}
+        auto: dict[str, Any] = (obj.get("status") or {}).get("autoscaling") or {}
+        return auto
+
+    def wait_autoscaling(
+        self, what: str, ok: Callable[[dict[str, Any]], bool], timeout: float = WAIT_S
+    ) -> dict[str, Any]:
+        """status.autoscaling once `ok` holds for it."""
+        auto: dict[str, Any] = wait_for(what, lambda: a if ok(a := self.autoscaling()) else None, timeout)
+        return auto
+
+    def wait_serving(self, status: str) -> dict[str, Any]:
+        """The ServedModel once its Serving condition has that status."""
+
+        def check() -> dict[str, Any] | None:
+            obj = get(self.cp, self.namespace, "servedmodel", self.name)
+            return obj if condition(obj, "Serving").get("status") == status else None
+
+        obj: dict[str, Any] = wait_for(f"Serving {status}", check)
+        return obj
+
+
+def delete_served_models(cp: controlplane.ControlPlane, namespace: str) -> None:
+    cp.kubectl(
+        "delete", "servedmodels", "--all", "-n", namespace, "--wait=true", "--timeout=30s", check=False
+    )
+
+
+def need(*tools: str) -> None:
+    """Skip unless each of these is here: "prometheus" (Debian's), "adapter" (prometheus-adapter),
+    "keda" (KEDA's operator)."""
+    missing = {
+        "prometheus": (prometheus_missing() is not None, PROMETHEUS_MISSING),
+        "adapter": (
+            not adapter_binary().is_file(),
+            f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`",
+        ),
+        "keda": (
+            not keda_operator_binary().is_file(),
+            f"KEDA's operator not built ({keda_operator_binary()}): run hack/build-keda-operator.sh",
+        ),
+    }
+    for tool in tools:
+        absent, why = missing[tool]
+        if absent:
+            pytest.skip(why)
+
+
+def started_adapter(cp: controlplane.ControlPlane, prom: Prometheus) -> Adapter:
+    """prometheus-adapter on `prom`, registered as custom.metrics.k8s.io and Available."""
+    adapter = Adapter(cp, prom.base_url)
+    adapter.register()
+    wait_for("custom.metrics.k8s.io Available", adapter.available, timeout=180)
+    return adapter
 
 
 def test_server_side_apply_drops_a_field_its_only_owner_stops_applying(
@@ -115,6 +183,7 @@ def test_replicas_belong_to_the_autoscaler(
 ) -> None:
     cp = control_plane
     name = "scaled"
+    watched = Watched(cp, namespace, name)
     base = served_model(name, replicas=3, probe={"enabled": False})
     apply(cp, namespace, base)
     wait_for(
@@ -154,11 +223,10 @@ def test_replicas_belong_to_the_autoscaler(
     assert dep["spec"]["replicas"] == 2
 
     # status.autoscaling says what the HPA says (no adapter here: it cannot get the metric).
-    def autoscaling() -> dict[str, Any] | None:
-        auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get("autoscaling") or {}
-        return auto if auto.get("reason") not in (None, "HorizontalPodAutoscalerMissing") else None
-
-    auto = wait_for("status.autoscaling from the HPA", autoscaling)
+    auto = watched.wait_autoscaling(
+        "status.autoscaling from the HPA",
+        lambda a: a.get("reason") not in (None, "HorizontalPodAutoscalerMissing"),
+    )
     assert auto["autoscaler"] == "HorizontalPodAutoscaler"
     assert auto["horizontalPodAutoscaler"] == name
     assert auto["reason"].startswith("Failed"), auto  # FailedGetPodsMetric: no custom.metrics.k8s.io
@@ -253,21 +321,17 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
     operator: OperatorProcess,
     engines: list[SimulatorProcess],
 ) -> None:
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
-    if not adapter_binary().is_file():
-        pytest.skip(f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`")
+    need("prometheus", "adapter")
     cp = control_plane
     name = "qwen-hpa"
+    watched = Watched(cp, namespace, name)
     pods = EnginePods(cp, namespace, names.selector_string(name), engines)
     prom = Prometheus(pods.targets_file)
     adapter: Adapter | None = None
     load: Load | None = None
     try:
         prom.wait_ready()
-        adapter = Adapter(cp, prom.base_url)
-        adapter.register()
-        wait_for("custom.metrics.k8s.io Available", adapter.available, timeout=180)
+        adapter = started_adapter(cp, prom)
         spec = {
             "servedModelName": "qwen",
             "probe": {"enabled": False},
@@ -306,19 +370,8 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
         )
         wait_for("the HPA scaled the Deployment up to maxReplicas", lambda: replicas() == 3, timeout=180)
         up = list(seen)
-        status = wait_for(
-            "status.autoscaling says 3",
-            lambda: (
-                s
-                if (
-                    s := ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
-                        "autoscaling"
-                    )
-                    or {}
-                ).get("desiredReplicas")
-                == 3
-                else None
-            ),
+        status = watched.wait_autoscaling(
+            "status.autoscaling says 3", lambda a: a.get("desiredReplicas") == 3
         )
         assert status["lastScale"]["toReplicas"] == 3
         # the console's column (priority 1: kubectl get -o wide)
@@ -334,21 +387,9 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
         assert up[-1] == 3, up
         assert up == sorted(up), up
         assert seen[len(up) - 1 :] == sorted(seen[len(up) - 1 :], reverse=True), seen
-        final = wait_for(
+        final = watched.wait_autoscaling(
             "status.autoscaling's last scale: 3 → 1",
-            lambda: (
-                a
-                if (
-                    a := ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
-                        "autoscaling"
-                    )
-                    or {}
-                )
-                .get("lastScale", {})
-                .get("toReplicas")
-                == 1
-                else None
-            ),
+            lambda a: a.get("lastScale", {}).get("toReplicas") == 1,
         )
         # The queue drains over a few HPA syncs, so the way down may take a step (3 → 2 → 1).
         assert final["lastScale"].get("fromReplicas") in (2, 3), final
@@ -366,29 +407,22 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
 
 
 def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
 ) -> None:
     """The probe TTFT target end to end: the operator's gauge → Prometheus (honor_labels, as the operator's
     ServiceMonitor) → prometheus-adapter's Object metric on the ServedModel → the HPA controller."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
-    if not adapter_binary().is_file():
-        pytest.skip(f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`")
-    cp = control_plane
+    need("prometheus", "adapter")
+    cp, namespace = probing.cp, probing.namespace
     name = "qwen-ttft"
-    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
-    with SimulatorProcess(args, ready_timeout=60) as sim:
-        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+    watched = Watched(cp, namespace, name)
+    with SimulatorProcess(QUICK_ENGINE, ready_timeout=60) as sim:
+        op = probing.start(name, sim.base_url)
         pods = EnginePods(cp, namespace, names.selector_string(name), [sim])
         prom = Prometheus(pods.targets_file, operator_metrics=f"127.0.0.1:{op.metrics_port}")
         adapter: Adapter | None = None
         try:
             prom.wait_ready()
-            adapter = Adapter(cp, prom.base_url)
-            adapter.register()
-            wait_for("custom.metrics.k8s.io Available", adapter.available, timeout=180)
+            adapter = started_adapter(cp, prom)
             # A target far above what the simulator's TTFT will be: the HPA keeps minReplicas.
             auto = {"minReplicas": 1, "maxReplicas": 2, "targets": {"probeTtftP95Ms": 60000}}
             apply(
@@ -420,13 +454,10 @@ def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
             window = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {})["probe"]["window"]
             assert window["ttftP95Ms"] > 0
 
-            def hpa_uses_it() -> Any:
-                auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
-                    "autoscaling"
-                ) or {}
-                return auto if auto.get("reason") == "ValidMetricFound" else None
-
-            auto_status = wait_for("the HPA computing replicas from the object metric", hpa_uses_it)
+            auto_status = watched.wait_autoscaling(
+                "the HPA computing replicas from the object metric",
+                lambda a: a.get("reason") == "ValidMetricFound",
+            )
             assert "servedmodel_probe_ttft_p95_seconds" in auto_status["message"]
             assert auto_status["desiredReplicas"] == 1
         finally:
@@ -434,16 +465,7 @@ def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
             if adapter is not None:
                 adapter.stop()
             prom.stop()
-            cp.kubectl(
-                "delete",
-                "servedmodels",
-                "--all",
-                "-n",
-                namespace,
-                "--wait=true",
-                "--timeout=30s",
-                check=False,
-            )
+            delete_served_models(cp, namespace)
 
 
 @pytest.fixture
@@ -480,16 +502,14 @@ def test_keda_crds_accept_the_rendered_golden_objects(
 
 
 def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
     keda_crds: None,
 ) -> None:
-    cp = control_plane
+    cp, namespace = probing.cp, probing.namespace
     name = "qwen-keda"
-    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
-    with SimulatorProcess(args, ready_timeout=60) as sim:
-        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+    watched = Watched(cp, namespace, name)
+    with SimulatorProcess(QUICK_ENGINE, ready_timeout=60) as sim:
+        op = probing.start(name, sim.base_url)
         spec = {
             "servedModelName": "qwen",
             "probe": {"interval": 5},
@@ -516,15 +536,7 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
                 {"parameter": "bearerToken", "name": "keda-token", "key": "token"}
             ]
             assert get(cp, namespace, "hpa", name) is None  # KEDA makes its own HPA; the operator none
-
-            def serving(status: str) -> Callable[[], Any]:
-                def check() -> Any:
-                    obj = get(cp, namespace, "servedmodel", name)
-                    return obj if condition(obj, "Serving").get("status") == status else None
-
-                return check
-
-            wait_for("Serving True (probing the engine)", serving("True"))
+            watched.wait_serving("True")
             obj = get(cp, namespace, "servedmodel", name) or {}
             assert obj["status"]["autoscaling"]["reason"] == "HorizontalPodAutoscalerMissing"  # no KEDA here
 
@@ -581,14 +593,9 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
                 input=json.dumps(keda_hpa),
             )
 
-            def from_kedas_hpa() -> Any:
-                auto = ((get(cp, namespace, "servedmodel", name) or {}).get("status") or {}).get(
-                    "autoscaling"
-                ) or {}
-                return auto if auto.get("reason", "").startswith("Failed") else None
-
-            auto = wait_for(
-                "status.autoscaling from KEDA's HPA (no external.metrics.k8s.io here)", from_kedas_hpa
+            auto = watched.wait_autoscaling(
+                "status.autoscaling from KEDA's HPA (no external.metrics.k8s.io here)",
+                lambda a: a.get("reason", "").startswith("Failed"),
             )
             assert auto["autoscaler"] == "KEDA"
             assert auto["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
@@ -603,7 +610,7 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
 
             # KEDA's idle scale to zero, as KEDA does it: the Deployment's scale subresource to 0.
             cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=0")
-            obj = wait_for("Serving Unknown: ScaledToZero", serving("Unknown"))
+            obj = watched.wait_serving("Unknown")
             assert condition(obj, "Serving")["reason"] == "ScaledToZero"
             assert condition(obj, "Ready")["reason"] == "ScaledToZero"
             assert obj["status"]["autoscaling"]["reason"] == "ScaledToZero"
@@ -622,27 +629,17 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
 
             # Scaled up again (KEDA's first active trigger): probing, and serving, resume.
             cp.kubectl("scale", "-n", namespace, "deployment", name, "--replicas=1")
-            wait_for("Serving True again", serving("True"))
+            watched.wait_serving("True")
             assert engine_metric(sim, "vllm:request_success_total") > chats_at_zero
         finally:
-            cp.kubectl(
-                "delete",
-                "servedmodels",
-                "--all",
-                "-n",
-                namespace,
-                "--wait=true",
-                "--timeout=30s",
-                check=False,
-            )
+            delete_served_models(cp, namespace)
 
 
 @pytest.fixture
 def all_keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
     """Every CRD KEDA's operator watches (config/crd/bases), removed afterwards; only where the operator
     is built (nothing else needs them)."""
-    if not keda_operator_binary().is_file():
-        pytest.skip(f"KEDA's operator not built ({keda_operator_binary()}): run hack/build-keda-operator.sh")
+    need("keda")
     plurals = ("scaledobjects", "scaledjobs", "triggerauthentications", "clustertriggerauthentications")
     try:
         paths = [olm_tools.keda_crd(p) for p in plurals]
@@ -664,29 +661,24 @@ def all_keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
 
 
 def test_keda_operator_makes_its_hpa_and_scales_an_idle_model_to_zero(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
     all_keda_crds: None,
 ) -> None:
     """KEDA's real operator (hack/build-keda-operator.sh) on what the operator renders: it makes
     keda-hpa-<name>, polls the Prometheus trigger, finds the model idle and scales it to zero; the
     ServedModel says ScaledToZero and the probe sends nothing."""
-    if not keda_operator_binary().is_file():
-        pytest.skip(f"KEDA's operator not built ({keda_operator_binary()}): run hack/build-keda-operator.sh")
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus binary is not installed (apt-get install prometheus)")
-    cp = control_plane
+    need("keda", "prometheus")
+    cp, namespace = probing.cp, probing.namespace
     name = "qwen-idle"
-    args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
-    with SimulatorProcess(args, ready_timeout=60) as sim:
+    watched = Watched(cp, namespace, name)
+    with SimulatorProcess(QUICK_ENGINE, ready_timeout=60) as sim:
         pods = EnginePods(cp, namespace, names.selector_string(name), [sim])
         prom = Prometheus(pods.targets_file)
         keda: KedaOperator | None = None
         try:
             prom.wait_ready()
             keda = KedaOperator(cp, namespace)
-            start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={sim.base_url}")
+            probing.start(name, sim.base_url)
             auto = {
                 "minReplicas": 1,
                 "maxReplicas": 2,
@@ -706,26 +698,17 @@ def test_keda_operator_makes_its_hpa_and_scales_an_idle_model_to_zero(
             assert hpa["metadata"]["ownerReferences"][0]["kind"] == "ScaledObject"
             assert hpa["spec"]["metrics"][0]["type"] == "External"
 
-            def scaled_to_zero() -> Any:
-                obj = get(cp, namespace, "servedmodel", name)
-                auto = ((obj or {}).get("status") or {}).get("autoscaling") or {}
-                return obj if auto.get("reason") == "ScaledToZero" else None
-
-            obj = wait_for("KEDA scaling the idle model to zero", scaled_to_zero, timeout=180)
-            assert obj["status"]["autoscaling"]["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
+            auto = watched.wait_autoscaling(
+                "KEDA scaling the idle model to zero",
+                lambda a: a.get("reason") == "ScaledToZero",
+                timeout=180,
+            )
+            assert auto["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
             dep = get(cp, namespace, "deployment", name)
             assert dep is not None
             assert dep["spec"]["replicas"] == 0
             assert OPERATOR_MANAGER not in replicas_owners(dep)  # KEDA wrote it, through /scale
-            obj = wait_for(
-                "Serving Unknown",
-                lambda: (
-                    o
-                    if condition(o := get(cp, namespace, "servedmodel", name), "Serving").get("status")
-                    == "Unknown"
-                    else None
-                ),
-            )
+            obj = watched.wait_serving("Unknown")
             assert condition(obj, "Serving")["reason"] == "ScaledToZero"
             chats = engine_metric(sim, "vllm:request_success_total")
             time.sleep(3 * 5)  # three probe intervals at zero: an observation window
@@ -739,13 +722,4 @@ def test_keda_operator_makes_its_hpa_and_scales_an_idle_model_to_zero(
                 print(f"\nKEDA operator log tail:\n{keda.log_text()[-3000:]}")
                 keda.stop()
             prom.stop()
-            cp.kubectl(
-                "delete",
-                "servedmodels",
-                "--all",
-                "-n",
-                namespace,
-                "--wait=true",
-                "--timeout=30s",
-                check=False,
-            )
+            delete_served_models(cp, namespace)

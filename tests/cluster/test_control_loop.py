@@ -10,8 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from cluster_support import apply, condition, served_model, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from cluster_support import apply, condition, metric_sum, served_model, wait_for
 
 import controlplane
 
@@ -21,15 +20,6 @@ OperatorProcess = Any
 pytestmark = pytest.mark.cluster
 
 LEGACY_FINALIZER = "inference.servedmodel.io/finalizer"
-
-
-def metric(op: OperatorProcess, sample: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(op.metrics())
-        for s in fam.samples
-        if s.name == sample and set(labels.items()) <= set(s.labels.items())
-    )
 
 
 def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:
@@ -130,9 +120,9 @@ def test_persistent_server_error_is_degraded_apply_failed_with_backoff(
         assert any(e["type"] == "Warning" and "ApplyFailed" in e["message"] for e in events), events
 
         # Backoff, not a hot loop: count the failed passes over a while (each retry waits twice as long).
-        failures = metric(operator, "servedmodel_controller_failures_total")
+        failures = metric_sum(operator, "servedmodel_controller_failures_total")
         time.sleep(10.0)
-        more = metric(operator, "servedmodel_controller_failures_total") - failures
+        more = metric_sum(operator, "servedmodel_controller_failures_total") - failures
         assert more <= 6, f"{more} failed passes in 10 s: not backing off"
         assert "[" + namespace + "/broken] reconcile failed" in operator.log()
     finally:
@@ -158,11 +148,11 @@ def test_deletion_writes_nothing_and_waits_on_nothing(
             (sm(cp, namespace, f"d{i}") or {}).get("status", {}).get("phase") == "Ready" for i in range(5)
         ),
     )
-    writes = metric(operator, "servedmodel_status_writes_total")
+    writes = metric_sum(operator, "servedmodel_status_writes_total")
     cp.kubectl("delete", "sm", "--all", "-n", namespace, "--wait=true", "--timeout=60s")
     assert all(sm(cp, namespace, f"d{i}") is None for i in range(5))
     time.sleep(2.0)
-    assert metric(operator, "servedmodel_status_writes_total") == writes
+    assert metric_sum(operator, "servedmodel_status_writes_total") == writes
     log = operator.log()
     assert "cancelled" not in log
     assert "Traceback" not in log

@@ -51,6 +51,14 @@ def status_path(ns: str, name: str) -> str:
     return f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"
 
 
+def create_with_status(cp: controlplane.ControlPlane, ns: str, status: dict[str, Any]) -> None:
+    """Creates body("qwen") and merges `status` into its status subresource (what a controller would)."""
+    assert create(cp, ns, body("qwen")).returncode == 0
+    cp.request(
+        "PATCH", status_path(ns, "qwen"), {"status": status}, content_type="application/merge-patch+json"
+    )
+
+
 def test_crd_is_established_and_structural(control_plane: controlplane.ControlPlane) -> None:
     crd = json.loads(control_plane.kubectl("get", "crd", f"{PLURAL}.{API_GROUP}", "-o", "json").stdout)
     conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
@@ -95,13 +103,7 @@ def test_external_mode_with_api_key_is_accepted(
 
 def test_scale_subresource(control_plane: controlplane.ControlPlane, namespace: str) -> None:
     cp = control_plane
-    assert create(cp, namespace, body("qwen")).returncode == 0
-    cp.request(
-        "PATCH",
-        status_path(namespace, "qwen"),
-        {"status": {"replicas": 1, "selector": "app.kubernetes.io/instance=qwen"}},
-        content_type="application/merge-patch+json",
-    )
+    create_with_status(cp, namespace, {"replicas": 1, "selector": "app.kubernetes.io/instance=qwen"})
     cp.kubectl("scale", "servedmodel", "qwen", "-n", namespace, "--replicas=2")
     assert get(cp, namespace, "qwen")["spec"]["replicas"] == 2
     scale = json.loads(
@@ -114,22 +116,18 @@ def test_scale_subresource(control_plane: controlplane.ControlPlane, namespace: 
 
 def test_printer_columns(control_plane: controlplane.ControlPlane, namespace: str) -> None:
     cp = control_plane
-    assert create(cp, namespace, body("qwen")).returncode == 0
-    cp.request(
-        "PATCH",
-        status_path(namespace, "qwen"),
+    create_with_status(
+        cp,
+        namespace,
         {
-            "status": {
-                "phase": "Ready",
-                "ready": "1/1",
-                "probe": {
-                    "serving": "1/1",
-                    "client": {"ttftMs": 41.5, "tpotMs": 7.25},
-                    "scheduler": {"running": 3, "waiting": 1},
-                },
-            }
+            "phase": "Ready",
+            "ready": "1/1",
+            "probe": {
+                "serving": "1/1",
+                "client": {"ttftMs": 41.5, "tpotMs": 7.25},
+                "scheduler": {"running": 3, "waiting": 1},
+            },
         },
-        content_type="application/merge-patch+json",
     )
     lines = cp.kubectl("get", "sm", "-n", namespace).stdout.splitlines()
     assert lines[0].split() == [

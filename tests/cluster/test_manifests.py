@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster_support import own_control_plane
 
 import controlplane
 import olm_tools
@@ -40,16 +41,12 @@ PREEXISTING_NAMESPACES = ["servedmodel-system", "openshift-config-managed"]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[controlplane.ControlPlane]:
-    missing = controlplane.missing_binaries()
-    if missing:
-        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
-    try:
+    def fetch() -> list[Path]:
         crds = [olm_tools.olm_crd("clusterserviceversions")]
         crds += [olm_tools.prometheus_operator_crd(plural) for plural in MONITORING_CRDS]
-    except olm_tools.ToolUnavailable as exc:
-        pytest.skip(str(exc))
-    crds.append(ROOT / "crds" / "inference.servedmodel.io_servedmodels.yaml")
-    with controlplane.running() as cp:
+        return [*crds, ROOT / "crds" / "inference.servedmodel.io_servedmodels.yaml"]
+
+    with own_control_plane(fetch) as (cp, crds):
         args = [a for p in crds for a in ("-f", str(p))]
         cp.kubectl("apply", "--server-side", *args, timeout=120)
         for path in crds:

@@ -21,7 +21,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-from cluster_support import apply, condition, served_model
+from cluster_support import ProbingOperator, apply, condition, served_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
@@ -132,14 +132,12 @@ def columns(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[st
 
 
 def test_probe_fills_status_conditions_and_columns(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
 ) -> None:
-    cp = control_plane
+    cp, namespace = probing.cp, probing.namespace
     sim_args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen-small", "--max-model-len", "4096"]
     with SimulatorProcess([*sim_args, "--sim-step-base-ms", "2"], ready_timeout=60) as sim:
-        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/qwen={sim.base_url}")
+        op = probing.start("qwen", sim.base_url)
         spec = {
             "servedModelName": "qwen-small",
             "probe": {"interval": 5, "slo": {"ttftMs": 10000, "tpotMs": 2000}},
@@ -208,13 +206,11 @@ def closed_port() -> int:
 
 
 def test_unreachable_endpoint_is_data_not_a_crash(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
 ) -> None:
-    cp = control_plane
+    cp, namespace = probing.cp, probing.namespace
     url = f"http://127.0.0.1:{closed_port()}"
-    operator = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/gone={url}")
+    operator = probing.start("gone", url)
     manifest = served_model("gone", endpoint=url, probe={"interval": 5})
     del manifest["spec"]["engine"], manifest["spec"]["resources"]
     apply(cp, namespace, manifest)
@@ -245,17 +241,13 @@ def test_unreachable_endpoint_is_data_not_a_crash(
 
 
 def test_api_key_from_secret_is_sent_never_written(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
 ) -> None:
-    cp = control_plane
+    cp, namespace = probing.cp, probing.namespace
     key = "sk-cluster-probe-7f3a9c2e41"
     args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--api-key", key]
     with SimulatorProcess(args, ready_timeout=60) as sim:
-        operator = start_operator(
-            namespaces=[namespace], endpoint_override=f"{namespace}/keyed={sim.base_url}"
-        )
+        operator = probing.start("keyed", sim.base_url)
         cp.kubectl("create", "secret", "generic", "engine-key", "-n", namespace, f"--from-literal=key={key}")
         manifest = served_model(
             "keyed",
@@ -282,21 +274,19 @@ def test_api_key_from_secret_is_sent_never_written(
 
 @pytest.mark.prometheus
 def test_prometheus_source_with_bearer_token(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
 ) -> None:
     """spec.probe.metricsSource prometheus: the daemon reads the token Secret and queries PromQL filtered
     by model_name and namespace (a real Prometheus on loopback scraping the simulator every second)."""
     if missing := prometheus_missing():
         pytest.skip(missing)
-    cp = control_plane
+    cp, namespace = probing.cp, probing.namespace
     args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
     with SimulatorProcess(args, ready_timeout=60) as sim:
         prom = PrometheusServer([f"127.0.0.1:{sim.port}"], {"namespace": namespace})
         try:
             prom.wait_ready()
-            start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/prom={sim.base_url}")
+            probing.start("prom", sim.base_url)
             cp.kubectl("create", "secret", "generic", "thanos", "-n", namespace, "--from-literal=token=t0ken")
             source = {
                 "type": "prometheus",

@@ -71,14 +71,10 @@ ROUTE_CRD: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[controlplane.ControlPlane]:
-    missing = controlplane.missing_binaries()
-    if missing:
-        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
-    try:
-        servicemonitors = olm_tools.prometheus_operator_crd("servicemonitors")
-    except olm_tools.ToolUnavailable as exc:
-        pytest.skip(str(exc))
-    with controlplane.running() as cp:
+    def fetch() -> Path:
+        return olm_tools.prometheus_operator_crd("servicemonitors")
+
+    with cluster_support.own_control_plane(fetch) as (cp, servicemonitors):
         cp.kubectl(
             "apply", "--server-side", "-f", str(servicemonitors), "-f", "-", input=json.dumps(ROUTE_CRD)
         )

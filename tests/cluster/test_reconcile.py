@@ -57,6 +57,20 @@ def phase_is(cp: controlplane.ControlPlane, namespace: str, name: str, phase: st
     return lambda: r if isinstance(r := probe(), dict) else None
 
 
+def ready(cp: controlplane.ControlPlane, namespace: str, name: str = "qwen") -> dict[str, Any]:
+    """Applies served_model(name) and waits for phase Ready: the ServedModel then."""
+    apply(cp, namespace, served_model(name))
+    obj: dict[str, Any] = wait_for("phase Ready", phase_is(cp, namespace, name, "Ready"))
+    return obj
+
+
+def deployed(cp: controlplane.ControlPlane, namespace: str) -> dict[str, Any]:
+    """Applies served_model("qwen") and waits for its engine Deployment: that Deployment."""
+    apply(cp, namespace, served_model("qwen"))
+    dep: dict[str, Any] = wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    return dep
+
+
 def owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
     refs = obj["metadata"].get("ownerReferences") or []
     return any(
@@ -134,8 +148,7 @@ def test_spec_edit_rolls_the_deployment(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    ready(cp, namespace)
     before = get(cp, namespace, "deployment", "qwen")
     assert before is not None
 
@@ -175,8 +188,7 @@ def test_scale_subresource(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    ready(cp, namespace)
 
     cp.kubectl("scale", "sm", "qwen", "-n", namespace, "--replicas=2")
     wait_for(
@@ -205,8 +217,7 @@ def test_delete_garbage_collects_children(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    deployed(cp, namespace)
     wait_for("the engine Service", lambda: get(cp, namespace, "service", "qwen-engine"))
 
     cp.kubectl("delete", "sm", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
@@ -219,8 +230,7 @@ def test_deleted_deployment_is_recreated(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    first = wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    first = deployed(cp, namespace)
     cp.kubectl("delete", "deployment", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
 
     def recreated() -> dict[str, Any] | None:
@@ -255,8 +265,7 @@ def test_switch_to_external_prunes_children(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("the engine Deployment", lambda: get(cp, namespace, "deployment", "qwen"))
+    deployed(cp, namespace)
     # Replace the whole spec (a merge would keep engine/resources, which external mode forbids).
     external = {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
@@ -292,8 +301,7 @@ def test_unrenderable_spec_is_invalid_spec_not_a_crash(
     assert operator.healthy()
 
     # Fixing the spec clears it and the model is served.
-    apply(cp, namespace, served_model("qwen"))
-    fixed = wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
+    fixed = ready(cp, namespace)
     assert condition(fixed, "InvalidSpec") == {}
 
 
@@ -302,9 +310,7 @@ def test_noop_resync_writes_no_status(
 ) -> None:
     cp = control_plane
     # (Probing is off: the probe writes status.probe every cycle with its own field manager.)
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
-    before = sm(cp, namespace, "qwen")
+    before = ready(cp, namespace)
     writes = metric(operator, "servedmodel_status_writes_total")
     refreshed = metric(operator, "servedmodel_reconcile_total", result="refreshed")
 
@@ -325,9 +331,7 @@ def test_generation_bump_without_rollout_does_not_flap(
 ) -> None:
     cp = control_plane
     # (Probing is off: the probe writes status.probe every cycle with its own field manager.)
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
-    before = sm(cp, namespace, "qwen")
+    before = ready(cp, namespace)
     refreshed = metric(operator, "servedmodel_reconcile_total", result="refreshed")
     generation = (get(cp, namespace, "deployment", "qwen") or {})["metadata"]["generation"]
 
@@ -381,9 +385,7 @@ def test_operator_restart_is_a_noop(
     start_operator: Callable[..., OperatorProcess],
 ) -> None:
     cp = control_plane
-    apply(cp, namespace, served_model("qwen"))
-    wait_for("phase Ready", phase_is(cp, namespace, "qwen", "Ready"))
-    before = sm(cp, namespace, "qwen")
+    before = ready(cp, namespace)
     operator.stop()
 
     second = start_operator(namespaces=[namespace])

@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster_support import wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from cluster_support import metric_sum, wait_for
 
 import controlplane
 
@@ -26,15 +25,6 @@ pytestmark = pytest.mark.cluster
 
 SCALE_N = int(os.environ.get("SERVEDMODEL_SCALE_N", "200"))
 IDLE_S = 15.0  # an idle window to count requests in, not a bound on anything
-
-
-def metric(op: OperatorProcess, sample: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(op.metrics())
-        for s in fam.samples
-        if s.name == sample and set(labels.items()) <= set(s.labels.items())
-    )
 
 
 def body(name: str) -> dict[str, Any]:
@@ -71,20 +61,20 @@ def test_hundreds_become_ready_and_idle_traffic_stays_flat(
     wait_for(
         f"{SCALE_N} ServedModels Ready", all_ready, timeout=240, interval=2.0, detail=lambda: operator.log(40)
     )
-    busy_requests = metric(operator, "servedmodel_kube_api_requests")
-    busy_writes = metric(operator, "servedmodel_status_writes_total")
-    applied = metric(operator, "servedmodel_reconcile_total", result="applied")
+    busy_requests = metric_sum(operator, "servedmodel_kube_api_requests")
+    busy_writes = metric_sum(operator, "servedmodel_status_writes_total")
+    applied = metric_sum(operator, "servedmodel_reconcile_total", result="applied")
     # Every child applied about once per ServedModel: the loop does not re-apply on child events.
     assert applied <= SCALE_N * 1.2, applied
 
     # Let the last events drain, then count an idle window: no reconciler writes, and the operator's
     # requests do not grow with the number of ServedModels.
     time.sleep(3.0)
-    before = metric(operator, "servedmodel_kube_api_requests")
-    writes = metric(operator, "servedmodel_status_writes_total")
+    before = metric_sum(operator, "servedmodel_kube_api_requests")
+    writes = metric_sum(operator, "servedmodel_status_writes_total")
     time.sleep(IDLE_S)
-    idle_requests = metric(operator, "servedmodel_kube_api_requests") - before
-    assert metric(operator, "servedmodel_status_writes_total") == writes
+    idle_requests = metric_sum(operator, "servedmodel_kube_api_requests") - before
+    assert metric_sum(operator, "servedmodel_status_writes_total") == writes
     assert idle_requests <= 5, f"{idle_requests} API requests while idle with {SCALE_N} ServedModels"
     assert busy_requests < SCALE_N * 8, f"{busy_requests} requests for {SCALE_N} ServedModels"
     assert busy_writes >= SCALE_N  # each wrote its status at least once (Pending → Ready)

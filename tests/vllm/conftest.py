@@ -12,8 +12,8 @@ Fixtures (reuse them from any test under tests/vllm/):
   extra_args=[...], ...) -> VLLMServer` for servers with flags of their own (--api-key,
   --chat-template, ...); all stopped at the end of the module.
 - `qwen25_dir` / `qwen3_dir` (session): the generated model folders.
-- `start_operator` / `operator`: tests/cluster's operator fixtures (point the probe at a server with
-  `start_operator(namespaces=[ns], endpoint_override=f"{ns}/NAME={server.base_url}")`).
+- `start_operator` / `probing` / `operator`: tests/cluster's operator fixtures (point the probe of
+  ServedModel NAME at a server with `probing.start("NAME", server.base_url)`).
 
 Outside pytest (benches, scripts): `sys.path.insert(0, "hack")`, `import vllm_models, vllm_server`,
 `with vllm_server.VLLMServer(vllm_models.ensure_model("qwen2.5")) as v: ...` (see hack/vllm_server.py).
@@ -63,6 +63,7 @@ def _load_cluster_conftest() -> ModuleType:
 
 _cluster = _load_cluster_conftest()
 start_operator = _cluster.start_operator
+probing = _cluster.probing
 operator = _cluster.operator
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster_support import apply, condition, served_model, wait_for
+from cluster_support import ProbingOperator, apply, condition, served_model, wait_for
 
 import controlplane
 from servedmodel.sim.templates import bundled_source
@@ -171,17 +171,11 @@ KEYED = {"apiKeySecretRef": {"name": "engine-key", "key": "key"}}
 
 
 @pytest.fixture
-def watch(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
-    fault_table: FaultTable,
-) -> Callable[[str, VLLMServer], Watch]:
+def watch(probing: ProbingOperator, fault_table: FaultTable) -> Callable[[str, VLLMServer], Watch]:
     """`watch(name, server)`: an operator probing ServedModel `name` on `server`, and the Watch on it."""
 
     def start(name: str, server: VLLMServer) -> Watch:
-        op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/{name}={server.base_url}")
-        return Watch(control_plane, namespace, name, op, fault_table)
+        return Watch(probing.cp, probing.namespace, name, probing.start(name, server.base_url), fault_table)
 
     return start
 

@@ -8,11 +8,10 @@ vLLM on 127.0.0.1, so the probe walks vLLM's own API server, engine and /metrics
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from cluster_support import apply, condition, served_model, wait_for
+from cluster_support import ProbingOperator, apply, condition, served_model, wait_for
 
 import controlplane
 from vllm_server import VLLMServer
@@ -33,13 +32,11 @@ def columns(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[st
 
 
 def test_servedmodel_probed_against_real_vllm_is_ready_and_serving(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
     vllm_qwen25: VLLMServer,
 ) -> None:
-    cp = control_plane
-    op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/qwen={vllm_qwen25.base_url}")
+    cp, namespace = probing.cp, probing.namespace
+    op = probing.start("qwen", vllm_qwen25.base_url)
     apply(cp, namespace, served_model("qwen", servedModelName="qwen", probe={"interval": 5}))
 
     def probed_twice() -> dict[str, Any] | None:
@@ -82,15 +79,13 @@ def test_servedmodel_probed_against_real_vllm_is_ready_and_serving(
 
 
 def test_cpu_only_servedmodel_renders_vllms_cpu_image_and_serves(
-    control_plane: controlplane.ControlPlane,
-    namespace: str,
-    start_operator: Callable[..., OperatorProcess],
+    probing: ProbingOperator,
     vllm_qwen25: VLLMServer,
 ) -> None:
     """resources.gpus: 0 on a cluster without GPUs in use: vLLM's CPU image, the KV cache from the spec,
     no GPU request; the pod is scheduled by the real scheduler and the probe reaches the real engine."""
-    cp = control_plane
-    op = start_operator(namespaces=[namespace], endpoint_override=f"{namespace}/cpu={vllm_qwen25.base_url}")
+    cp, namespace = probing.cp, probing.namespace
+    op = probing.start("cpu", vllm_qwen25.base_url)
     manifest = served_model(
         "cpu",
         servedModelName="qwen",
