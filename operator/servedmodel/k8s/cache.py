@@ -6,8 +6,15 @@ may write their own responses through (`upsert`) so the next pass does not act o
 
 Objects are the API's JSON dicts, stored by kind → namespace → name. `metadata.managedFields` and the
 `kubectl.kubernetes.io/last-applied-configuration` annotation are dropped on the way in: they are large
-and nobody reads them, and the cache holds thousands of Pods. Stored dicts are shared: treat what the
-read API returns as read-only (copy before changing it).
+and nobody reads them, and the cache holds thousands of Pods. A Pod keeps only its metadata, its status
+and the few spec fields the operator reads (`POD_SPEC_FIELDS`, containers' names and ports): its
+containers' args, env, probes and volumes are the Deployment's, and a Pod is the most numerous object
+held. Stored dicts are shared: treat what the read API returns as read-only (copy before changing it).
+
+Index: objects are also kept by their ``app.kubernetes.io/instance`` label (the ServedModel they belong
+to), so a ``list`` whose labels name the instance reads that ServedModel's objects only, not every
+object of the kind: the probe scheduler and the reconciler list a model's Pods on every pass, and with
+a thousand models a scan of every Pod made that quadratic.
 
 Read API (what the reconciler, the probe scheduler and autoscaling use):
 
@@ -58,8 +65,23 @@ def _rv(obj: Mapping[str, Any]) -> int | None:
         return None
 
 
-def slim(obj: Mapping[str, Any]) -> Obj:
-    """A copy without managedFields and kubectl's last-applied annotation (nothing here reads them)."""
+# What the operator reads of a Pod's spec (probe/endpoints.pod_base_url: the engine's port; the rest for
+# describing a replica); a container keeps its name, image and ports.
+POD_SPEC_FIELDS: Final = ("nodeName", "readinessGates", "restartPolicy")
+CONTAINER_FIELDS: Final = ("name", "image", "ports")
+
+
+def _pod_spec(spec: Mapping[str, Any]) -> Obj:
+    out: Obj = {k: spec[k] for k in POD_SPEC_FIELDS if k in spec}
+    for key in ("initContainers", "containers"):
+        if key in spec:
+            out[key] = [{k: c[k] for k in CONTAINER_FIELDS if k in c} for c in spec[key] or []]
+    return out
+
+
+def slim(obj: Mapping[str, Any], kind: str | None = None) -> Obj:
+    """A copy without managedFields and kubectl's last-applied annotation (nothing here reads them);
+    a Pod's spec cut to what the operator reads."""
     out = dict(obj)
     meta = dict(_meta(obj))
     meta.pop("managedFields", None)
@@ -67,7 +89,14 @@ def slim(obj: Mapping[str, Any]) -> Obj:
     if isinstance(annotations, Mapping) and LAST_APPLIED in annotations:
         meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
     out["metadata"] = meta
+    if kind == "Pod" and isinstance(obj.get("spec"), Mapping):
+        out["spec"] = _pod_spec(obj["spec"])
     return out
+
+
+def _instance(obj: Mapping[str, Any]) -> str | None:
+    value = (_meta(obj).get("labels") or {}).get(INSTANCE_LABEL)
+    return str(value) if value else None
 
 
 def labels_match(obj: Mapping[str, Any], labels: Mapping[str, str | None]) -> bool:
@@ -85,6 +114,8 @@ class Cache:
 
     def __init__(self) -> None:
         self._store: dict[str, dict[str, dict[str, Obj]]] = {}
+        # kind → (namespace, instance label) → name → object: the same objects, by ServedModel.
+        self._by_instance: dict[str, dict[Key, dict[str, Obj]]] = {}
         self._fed: set[str] = set()
 
     # ---- writes (watch events, write-through) ----------------------------------------------------
@@ -116,17 +147,31 @@ class Cache:
             old_rv, new_rv = _rv(old), _rv(obj)
             if old_rv is not None and new_rv is not None and new_rv < old_rv:
                 return False
-        bucket[str(name)] = slim(obj)
+            self._unindex(kind, namespace, str(name), old)
+        stored = bucket[str(name)] = slim(obj, kind)
+        instance = _instance(stored)
+        if instance is not None:
+            self._by_instance.setdefault(kind, {}).setdefault((namespace, instance), {})[str(name)] = stored
         return True
 
     def remove(self, kind: str, namespace: str, name: str) -> bool:
         bucket = self._store.get(kind, {}).get(namespace)
         if bucket is None or name not in bucket:
             return False
-        del bucket[name]
+        self._unindex(kind, namespace, name, bucket.pop(name))
         if not bucket:
             del self._store[kind][namespace]
         return True
+
+    def _unindex(self, kind: str, namespace: str, name: str, obj: Obj) -> None:
+        instance = _instance(obj)
+        by_key = self._by_instance.get(kind, {})
+        group = by_key.get((namespace, instance)) if instance is not None else None
+        if group is None:
+            return
+        group.pop(name, None)
+        if not group:
+            del by_key[(namespace, str(instance))]
 
     # ---- reads -----------------------------------------------------------------------------------
 
@@ -146,7 +191,13 @@ class Cache:
         owner_uid: str | None = None,
     ) -> list[Obj]:
         by_ns = self._store.get(kind, {})
-        buckets = [by_ns.get(namespace, {})] if namespace is not None else list(by_ns.values())
+        instance = (labels or {}).get(INSTANCE_LABEL)
+        if namespace is not None and instance is not None:
+            buckets = [self._by_instance.get(kind, {}).get((namespace, instance), {})]
+        elif namespace is not None:
+            buckets = [by_ns.get(namespace, {})]
+        else:
+            buckets = list(by_ns.values())
         out = [
             obj
             for bucket in buckets
