@@ -37,6 +37,11 @@ _.client_timeout  # kopf settings
 _.request_timeout  # kopf settings
 _.worker_limit  # kopf settings
 _.idle_timeout  # kopf settings
+_.fetch  # kopf's DiffBaseStorage interface (handlers/startup.NoDiffBase), called by kopf
+_.store  # kopf's DiffBaseStorage interface
+_.build  # kopf's DiffBaseStorage interface
+extra_fields  # kopf's DiffBaseStorage.build keyword parameter
+essence  # kopf's DiffBaseStorage.store keyword parameter
 _.__qualname__  # kopf names a handler by it (handlers/servedmodel.py's per-kind handlers)
 exc_type  # the context-manager protocol's __aexit__ parameters (sim/process.py)
 tb  # the context-manager protocol's __aexit__ parameters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any, Final
 
 import kopf
@@ -29,6 +30,25 @@ ANNOTATION_PREFIX: Final = API_GROUP
 # before a ServedModel's Deployment arrived would apply it again: harmless, but a wasted request).
 STARTUP_DELAY_S: Final = 2.0
 CHILDREN_SELECTOR: Final = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's change detection, switched off: it serves on.create/update handlers and this operator has
+    only on.event ones, yet kopf built the "essence" (two deep copies of the object) on every watch
+    event of every kind, about 7 % of the operator's CPU at 1,000 ServedModels (py-spy). Nothing is
+    stored either: the old last-handled-configuration annotations are removed where found
+    (handlers/servedmodel.remove_legacy_bookkeeping)."""
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
+    ) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
 
 
 def operator_config(memo: Any) -> OperatorConfig:
@@ -76,9 +96,7 @@ async def login(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> kopf.Connecti
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     config = operator_config(memo)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     # Only event handlers: kopf holds no finalizer and writes no annotations. Events are posted by
     # the reconciler itself (before the status write that records the transition).
     settings.posting.enabled = False
@@ -92,7 +110,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         ("v1", "pods"),
         ("v1", "services"),
         ("v1", "persistentvolumeclaims"),
-        ("discovery.k8s.io", "v1", "endpointslices"),
     ):
         settings.watching.label_selectors[resource] = CHILDREN_SELECTOR
     settings.networking.request_timeout = 60
@@ -112,7 +129,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         _identity(memo), max_inflight=config.max_inflight_requests, read_timeout_s=config.api_timeout
     )
     cache = memo.cache = Cache()
-    kinds = ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice")
+    kinds = ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim")
     for kind in (*kinds, "HorizontalPodAutoscaler"):
         cache.track(kind)
 
