@@ -447,6 +447,9 @@ class ProbeScheduler:
     _insecure_http: httpx.AsyncClient | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
     _synced: float = field(default=float("-inf"), init=False)
+    # Tracked but not yet given a first due time: the loop places only these (it wakes at every
+    # cycle's end, and walking every model each time grew with the fleet).
+    _unplaced: list[Key] = field(default_factory=list, init=False)
 
     # ---- feeding -------------------------------------------------------------------------------
 
@@ -460,6 +463,7 @@ class ProbeScheduler:
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = _Model(key)
+            self._unplaced.append(key)
             self.metrics.scheduled.set(len(self._models))
         model.body = dict(body)
         if not model.placed and self._wake is not None:
@@ -555,9 +559,13 @@ class ProbeScheduler:
             self.forget(*key)
 
     def _place_new(self) -> None:
+        if not self._unplaced:
+            return
         now, wall = self.clock(), datetime.now(UTC)
-        for model in self._models.values():
-            if model.placed:
+        keys, self._unplaced = self._unplaced, []
+        for key in keys:
+            model = self._models.get(key)
+            if model is None or model.placed:
                 continue
             model.placed = True
             status = (model.body or {}).get("status") or {}

@@ -61,6 +61,24 @@ class _LoopCollector(Collector):
         for (verb, code), n in sorted(self.client.requests.items()):
             by_verb.add_metric([verb, str(code)], n)
         yield by_verb
+        slot_wait, response = self.client.request_seconds
+        for name, doc, values in (
+            (
+                "servedmodel_kube_api_slot_wait_seconds",
+                "Seconds requests waited for one of the client's in-flight slots, by method.",
+                slot_wait,
+            ),
+            (
+                "servedmodel_kube_api_response_seconds",
+                "Seconds from a request's slot to its response headers, by method (the API server's time "
+                "plus the operator's own event-loop delays).",
+                response,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["verb"])
+            for verb, seconds in sorted(values.items()):
+                family.add_metric([verb], seconds)
+            yield family
         yield GaugeMetricFamily(
             "servedmodel_kube_api_in_flight", "Kubernetes API requests in flight now.", self.client.in_flight
         )
@@ -87,7 +105,7 @@ class _LoopCollector(Collector):
         objects = GaugeMetricFamily(
             "servedmodel_cache_objects", "Objects in the watch-fed cache.", labels=["kind"]
         )
-        for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim", "EndpointSlice"):
+        for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim"):
             objects.add_metric([kind], self.cache.count(kind))
         yield objects
 

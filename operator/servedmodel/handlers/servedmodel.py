@@ -2,7 +2,7 @@
 reconcile entry point the controller's workers call (`reconcile_key`).
 
 One watch per kind (ServedModels; and the operator's children — Deployments, Pods, Services, PVCs,
-EndpointSlices — filtered server-side by ``app.kubernetes.io/managed-by=servedmodel-operator``, see
+HPAs — filtered server-side by ``app.kubernetes.io/managed-by=servedmodel-operator``, see
 startup.py). A handler only updates the cache and calls ``controller.enqueue(namespace, name)``: no
 on.create/update/resume, no timers, no daemons, so kopf holds no finalizer and writes no annotations.
 The work queue de-duplicates, so a burst of Pod events during a rollout is one reconcile.
@@ -91,14 +91,14 @@ async def servedmodel_event(
         controller.enqueue(*key)
 
 
-def _child_event(kind: str, *, enqueue: bool = True) -> Any:
+def _child_event(kind: str) -> Any:
     async def handler(
         type: str | None, event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
     ) -> None:
         _client, cache, controller = _memo_parts(memo)
         cache.apply_event(kind, type, _raw(event, body))
         owner = Cache.owner_key(body)
-        if enqueue and owner is not None and cache.get(SERVED_MODEL, *owner) is not None:
+        if owner is not None and cache.get(SERVED_MODEL, *owner) is not None:
             controller.enqueue(*owner)
 
     handler.__name__ = handler.__qualname__ = f"{kind.lower()}_event"
@@ -118,10 +118,6 @@ kopf.on.event("v1", "persistentvolumeclaims", labels=_CHILDREN, id="pvc-cache")(
 # keda-hpa-<name> carries the ScaledObject's labels, so the filter and the instance label find it too.
 kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=_CHILDREN, id="hpa-cache")(
     _child_event("HorizontalPodAutoscaler")
-)
-# Read by the probe scheduler (ready engine addresses); the reconciler does not use them.
-kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels=_CHILDREN, id="endpointslice-cache")(
-    _child_event("EndpointSlice", enqueue=False)
 )
 
 
