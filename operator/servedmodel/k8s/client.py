@@ -21,6 +21,7 @@ import asyncio
 import functools
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -186,11 +187,19 @@ class _AuthTransport(httpx.AsyncBaseTransport):
         self._slots = asyncio.Semaphore(max_inflight)
         self.max_inflight = max_inflight
         self.requests: Counter[tuple[str, int]] = Counter()
+        # Seconds by method: waiting for one of the max_inflight slots, and from the slot to the
+        # response's headers (what the API server took, plus this event loop's own delays): beside the
+        # server's apiserver_request_duration_seconds they say where a slow request waited.
+        self.slot_wait_s: dict[str, float] = {}
+        self.response_s: dict[str, float] = {}
         self.in_flight = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        queued = time.monotonic()
         async with self._slots:
             self.in_flight += 1
+            started = time.monotonic()
+            self.slot_wait_s[request.method] = self.slot_wait_s.get(request.method, 0.0) + started - queued
             try:
                 response = await self._send(request, refresh=False)
                 if response.status_code == 401 and self._identity.tokens is not None:
@@ -199,6 +208,8 @@ class _AuthTransport(httpx.AsyncBaseTransport):
                 return response
             finally:
                 self.in_flight -= 1
+                elapsed = time.monotonic() - started
+                self.response_s[request.method] = self.response_s.get(request.method, 0.0) + elapsed
 
     async def _send(self, request: httpx.Request, *, refresh: bool) -> httpx.Response:
         header = (await self._identity.credential(refresh=refresh)).header()
@@ -266,6 +277,11 @@ class KubeClient:
     def requests(self) -> Counter[tuple[str, int]]:
         """HTTP requests sent by (method, status code; 0 = no answer), retries included."""
         return self._transport.requests
+
+    @property
+    def request_seconds(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(seconds waiting for an in-flight slot, seconds from the slot to the response) by method."""
+        return self._transport.slot_wait_s, self._transport.response_s
 
     @property
     def request_count(self) -> int:
