@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -35,11 +36,13 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.sim.process import SimulatorProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +79,29 @@ def scrape(port: int) -> Metrics:
     }
 
 
+def apiserver_requests(cp: controlplane.ControlPlane) -> dict[str, tuple[float, float]]:
+    """(count, seconds) per "VERB resource[/subresource]" from the API server's own
+    apiserver_request_duration_seconds (every client's requests, watches excluded)."""
+    out: dict[str, tuple[float, float]] = {}
+    for fam in text_string_to_metric_families(cp.get_text("/metrics")):
+        if fam.name != "apiserver_request_duration_seconds":
+            continue
+        for sample in fam.samples:
+            verb = sample.labels.get("verb", "")
+            if verb in ("WATCH", "CONNECT") or sample.name.endswith("_bucket"):
+                continue
+            key = f"{verb} {sample.labels.get('resource', '')}"
+            if sample.labels.get("subresource"):
+                key += f"/{sample.labels['subresource']}"
+            n, secs = out.get(key, (0.0, 0.0))
+            if sample.name.endswith("_count"):
+                n += sample.value
+            elif sample.name.endswith("_sum"):
+                secs += sample.value
+            out[key] = (n, secs)
+    return out
+
+
 def total(m: Metrics, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
 
@@ -83,12 +109,12 @@ def total(m: Metrics, name: str, **labels: str) -> float:
 class Proc:
     """RSS and CPU of one process from /proc."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, sample: bool = True) -> None:
         self.pid = pid
         self.max_rss_mb = 0.0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if sample:
+            threading.Thread(target=self._sample, daemon=True).start()
 
     def rss_mb(self) -> float:
         try:
@@ -193,6 +219,71 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
+def listing(cp: controlplane.ControlPlane, what: str) -> list[dict[str, Any]]:
+    out = cp.kubectl("get", what, "-n", NAMESPACE, "-o", "json", timeout=120).stdout
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return items
+
+
+def _stamp(value: Any) -> float | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def _condition_time(obj: dict[str, Any], type_: str) -> float | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return _stamp(c.get("lastTransitionTime"))
+    return None
+
+
+# Where create → Ready goes, stage by stage, from the objects' own (server-side, 1 s resolution) stamps:
+# who does each stage is in its name.
+STAGES = (
+    ("ServedModel created → Deployment created (operator: first apply)", "sm", "deploy"),
+    ("Deployment → Pod created (controller-manager)", "deploy", "pod"),
+    ("Pod created → ContainersReady (scheduler, kwok)", "pod", "containers"),
+    ("ContainersReady → serving gate True (operator: first probe of the pod)", "containers", "gate"),
+    ("serving gate → Pod Ready (kwok)", "gate", "pod_ready"),
+    (
+        "Pod Ready → ServedModel Ready (Deployment status, then the phase)",
+        "pod_ready",
+        "ready",
+    ),
+)
+
+
+def stages(cp: controlplane.ControlPlane) -> dict[str, list[float]]:
+    """Per ServedModel (one replica each), the stamps of STAGES; durations per stage, sorted."""
+    stamps: dict[str, dict[str, float | None]] = {}
+    for sm in listing(cp, "servedmodels"):
+        stamps[sm["metadata"]["name"]] = {
+            "sm": _stamp(sm["metadata"]["creationTimestamp"]),
+            "ready": _condition_time(sm, "Ready"),
+        }
+    for d in listing(cp, "deployments"):
+        stamps.setdefault(d["metadata"]["name"], {})["deploy"] = _stamp(d["metadata"]["creationTimestamp"])
+    for pod in listing(cp, "pods"):
+        owner = (pod["metadata"].get("labels") or {}).get("app.kubernetes.io/instance")
+        if owner not in stamps:
+            continue
+        s = stamps[owner]
+        s["pod"] = _stamp(pod["metadata"]["creationTimestamp"])
+        s["containers"] = _condition_time(pod, "ContainersReady")
+        s["gate"] = _condition_time(pod, READINESS_GATE_CONDITION)
+        s["pod_ready"] = _condition_time(pod, "Ready")
+    out: dict[str, list[float]] = {}
+    for label, start, end in STAGES:
+        values = []
+        for s in stamps.values():
+            a, b = s.get(start), s.get(end)
+            if a is not None and b is not None:
+                values.append(b - a)
+        out[label] = sorted(values)
+    return out
+
+
 def count(cp: controlplane.ControlPlane, what: str) -> int:
     out = cp.kubectl("get", what, "-n", NAMESPACE, "--no-headers", "-o", "name", timeout=120).stdout
     return len(out.split())
@@ -239,6 +330,11 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
                         raise RuntimeError("the operator did not become healthy") from None
                     time.sleep(0.2)
             cpu_start, rss_start = proc.cpu_s(), proc.rss_mb()
+            # Where the machine's CPU goes while busy: every component's, the simulator's, the operator's.
+            others = {name: Proc(pid, sample=False) for name, pid in cp.pids().items()}
+            others["simulator"] = Proc(sim.pid, sample=False)
+            others_start = {name: p.cpu_s() for name, p in others.items()}
+            api_start = apiserver_requests(cp)
             base = scrape(metrics_port)
 
             created: dict[str, float] = {}
@@ -275,6 +371,12 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
                 spy.wait(timeout=args.profile_s + 60)
             busy = scrape(metrics_port)
             cpu_busy = proc.cpu_s()
+            others_busy = {name: p.cpu_s() - others_start[name] for name, p in others.items()}
+            api_busy = {
+                k: (n - api_start.get(k, (0.0, 0.0))[0], secs - api_start.get(k, (0.0, 0.0))[1])
+                for k, (n, secs) in apiserver_requests(cp).items()
+            }
+            stage_s = stages(cp)
 
             time.sleep(args.idle)
             idle = scrape(metrics_port)
@@ -323,6 +425,14 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     writes = "servedmodel_status_writes_total"
     probe_writes = "servedmodel_probe_status_writes_total"
 
+    def verb_row(verb: str) -> str:
+        sent = delta(base, busy, "servedmodel_kube_api_requests_by_verb_total", verb=verb)
+        wait = delta(base, busy, "servedmodel_kube_api_slot_wait_seconds_total", verb=verb)
+        response = delta(base, busy, "servedmodel_kube_api_response_seconds_total", verb=verb)
+        return f"{verb}: {sent:.0f}, {wait / max(sent, 1):.3f} / {response / max(sent, 1):.3f}"
+
+    by_verb = "; ".join(verb_row(v) for v in ("GET", "POST", "PATCH", "PUT", "DELETE"))
+
     def fmt(values: list[float]) -> str:
         if not values:
             return "—"
@@ -336,6 +446,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         # Negative: the probe starts once a replica is ready, which can be before the phase says Ready.
         ("phase Ready → first probe in status, s (p50 / p95 / max)", fmt(probe_s)),
         ("first create → all Ready (and probed), s", f"{t_settled - t_apply:.1f}"),
+        *((f"stage: {label}, s (p50 / p95 / max)", fmt(values)) for label, values in stage_s.items()),
         (
             "operator API requests while busy: total / per s / per ServedModel",
             f"{delta(base, busy, req):.0f} / {delta(base, busy, req) / busy_s:.1f} / "
@@ -368,6 +479,18 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         (
             "operator CPU s (until all Ready / idle / delete)",
             f"{cpu_busy - cpu_start:.1f} / {cpu_idle - cpu_busy:.1f} / {cpu_end - cpu_idle:.1f}",
+        ),
+        (
+            "CPU s until all Ready: operator / " + " / ".join(others_busy),
+            f"{cpu_busy - cpu_start:.1f} / " + " / ".join(f"{v:.1f}" for v in others_busy.values()),
+        ),
+        ("operator's requests until all Ready by method: count, mean s for a slot / to response", by_verb),
+        (
+            "API server requests until all Ready, all clients (the 8 most: count, mean s)",
+            "; ".join(
+                f"{k}: {n:.0f}, {secs / max(n, 1):.3f} s"
+                for k, (n, secs) in sorted(api_busy.items(), key=lambda kv: -kv[1][0])[:8]
+            ),
         ),
         ("load average at the end (1 / 5 / 15 min)", " / ".join(f"{x:.1f}" for x in os.getloadavg())),
     ]
