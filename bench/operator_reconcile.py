@@ -17,29 +17,17 @@ Method
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench_support import OperatorProcess, Proc, controlplane, pct, prepare, print_rows, scrape, total
 from servedmodel.sim.process import SimulatorProcess
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "hack"))
-import controlplane  # noqa: E402  (hack/ is tooling, not a package)
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMESPACE = "bench"
-Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def servedmodel(i: int) -> dict[str, Any]:
@@ -57,46 +45,6 @@ def servedmodel(i: int) -> dict[str, Any]:
     }
 
 
-def scrape(port: int) -> Metrics:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name.startswith("servedmodel_")
-    }
-
-
-def total(m: Metrics, name: str, **labels: str) -> float:
-    """Sum of every sample called `name` whose labels include `labels`."""
-    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def wait_healthy(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def pct(values: list[float], q: float) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,34 +59,10 @@ def main() -> int:
     args = parser.parse_args()
 
     with controlplane.running() as cp, SimulatorProcess([MODEL, "--max-model-len", "4096"]) as sim:
-        cp.kubectl(
-            "apply", "--server-side", "-f", str(ROOT / "crds/inference.servedmodel.io_servedmodels.yaml")
-        )
-        cp.wait_established("servedmodels.inference.servedmodel.io")
-        cp.kubectl("create", "namespace", NAMESPACE)
-        health, metrics = controlplane.free_ports(2)
-        env = {
-            **os.environ,
-            **cp.env,
-            "SERVEDMODEL_HEALTH_PORT": str(health),
-            "SERVEDMODEL_METRICS_PORT": str(metrics),
-            "SERVEDMODEL_ENDPOINT_OVERRIDE": sim.base_url,
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "servedmodel.cli",
-            "run",
-            "-n",
-            NAMESPACE,
-            "--bind-address",
-            "127.0.0.1",
-            "-q",
-        ]
-        operator = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_healthy(health)
-            rss_idle = rss_mb(operator.pid)
+        prepare(cp, NAMESPACE)
+        with OperatorProcess(cp, NAMESPACE, endpoint_override=sim.base_url, quiet=True) as operator:
+            proc = Proc(operator.pid, sample=False)
+            rss_idle = proc.rss_mb()
             applied: dict[str, float] = {}
             for i in range(args.n):
                 obj = servedmodel(i)
@@ -148,7 +72,7 @@ def main() -> int:
             probed: dict[str, float] = {}
             deadline = time.monotonic() + args.timeout
             while len(probed) < args.n and time.monotonic() < deadline:
-                items = json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+                items = cp.get_json("sm", "-n", NAMESPACE)["items"]
                 now = time.monotonic()
                 for item in items:
                     name, status = item["metadata"]["name"], item.get("status") or {}
@@ -157,25 +81,18 @@ def main() -> int:
                     if name not in probed and (status.get("probe") or {}).get("result"):
                         probed[name] = now - applied[name]
                 time.sleep(0.1)
-            before = scrape(metrics)
+            before = scrape(operator.metrics_port)
             versions = {
                 i["metadata"]["name"]: i["metadata"]["resourceVersion"]
-                for i in json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+                for i in cp.get_json("sm", "-n", NAMESPACE)["items"]
             }
             time.sleep(args.idle)
-            after = scrape(metrics)
+            after = scrape(operator.metrics_port)
             versions_after = {
                 i["metadata"]["name"]: i["metadata"]["resourceVersion"]
-                for i in json.loads(cp.kubectl("get", "sm", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+                for i in cp.get_json("sm", "-n", NAMESPACE)["items"]
             }
-            rss_busy = rss_mb(operator.pid)
-        finally:
-            operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait()
+            rss_busy = proc.rss_mb()
 
     if not ready:
         print("no ServedModel became Ready", file=sys.stderr)
@@ -211,9 +128,7 @@ def main() -> int:
         ),
         ("operator RSS, MB (started / with all probed)", f"{rss_idle:.0f} / {rss_busy:.0f}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print_rows(rows)
     return 0
 
 

@@ -28,13 +28,10 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -42,16 +39,22 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench_support import (
+    Metrics,
+    OperatorProcess,
+    Proc,
+    controlplane,
+    pct,
+    prepare,
+    print_rows,
+    scrape,
+    total,
+)
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.sim.process import SimulatorProcess
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "hack"))
-import controlplane  # noqa: E402  (hack/ is tooling, not a package)
-
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMESPACE = "bench"
-Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
@@ -65,17 +68,6 @@ def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
             "resources": {"gpus": 0},
             "probe": {"enabled": probe, "interval": probe_interval},
         },
-    }
-
-
-def scrape(port: int) -> Metrics:
-    # A busy operator answers /metrics late (its thread waits for the GIL): a patient read.
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name.startswith("servedmodel_")
     }
 
 
@@ -100,44 +92,6 @@ def apiserver_requests(cp: controlplane.ControlPlane) -> dict[str, tuple[float, 
                 secs += sample.value
             out[key] = (n, secs)
     return out
-
-
-def total(m: Metrics, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
-
-
-class Proc:
-    """RSS and CPU of one process from /proc."""
-
-    def __init__(self, pid: int, *, sample: bool = True) -> None:
-        self.pid = pid
-        self.max_rss_mb = 0.0
-        self._stop = threading.Event()
-        if sample:
-            threading.Thread(target=self._sample, daemon=True).start()
-
-    def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except FileNotFoundError:
-            pass
-        return 0.0
-
-    def cpu_s(self) -> float:
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
-        except FileNotFoundError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def _sample(self) -> None:
-        while not self._stop.wait(1.0):
-            self.max_rss_mb = max(self.max_rss_mb, self.rss_mb())
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class Watch:
@@ -213,12 +167,6 @@ class Watch:
                 self.proc.wait(timeout=5)
 
 
-def pct(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def listing(cp: controlplane.ControlPlane, what: str) -> list[dict[str, Any]]:
     out = cp.kubectl("get", what, "-n", NAMESPACE, "-o", "json", timeout=120).stdout
     items: list[dict[str, Any]] = json.loads(out)["items"]
@@ -291,123 +239,95 @@ def count(cp: controlplane.ControlPlane, what: str) -> int:
 
 def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     n = args.n
-    with controlplane.running() as cp, SimulatorProcess([MODEL, "--max-model-len", "4096"]) as sim:
-        cp.kubectl(
-            "apply", "--server-side", "-f", str(ROOT / "crds/inference.servedmodel.io_servedmodels.yaml")
+    with contextlib.ExitStack() as stack:
+        cp = stack.enter_context(controlplane.running())
+        sim = stack.enter_context(SimulatorProcess([MODEL, "--max-model-len", "4096"]))
+        prepare(cp, NAMESPACE)
+        operator = stack.enter_context(
+            OperatorProcess(
+                cp,
+                NAMESPACE,
+                endpoint_override=sim.base_url,
+                log=args.log,
+                memory_profile=args.memory_profile,
+            )
         )
-        cp.wait_established("servedmodels.inference.servedmodel.io")
-        cp.kubectl("create", "namespace", NAMESPACE)
-        health, metrics_port = controlplane.free_ports(2)
-        env = {
-            **os.environ,
-            **cp.env,
-            "SERVEDMODEL_HEALTH_PORT": str(health),
-            "SERVEDMODEL_METRICS_PORT": str(metrics_port),
-            "SERVEDMODEL_ENDPOINT_OVERRIDE": sim.base_url,
-        }
-        log = open(args.log, "wb") if args.log else subprocess.DEVNULL  # noqa: SIM115
-        command = [
-            sys.executable,
-            "-m",
-            "servedmodel.cli",
-            "run",
-            "-n",
-            NAMESPACE,
-            "--bind-address",
-            "127.0.0.1",
-        ]
-        operator = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         proc = Proc(operator.pid)
+        stack.callback(proc.stop)
         watch = Watch(cp)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or operator.poll() is not None:
-                        raise RuntimeError("the operator did not become healthy") from None
-                    time.sleep(0.2)
-            cpu_start, rss_start = proc.cpu_s(), proc.rss_mb()
-            # Where the machine's CPU goes while busy: every component's, the simulator's, the operator's.
-            others = {name: Proc(pid, sample=False) for name, pid in cp.pids().items()}
-            others["simulator"] = Proc(sim.pid, sample=False)
-            others_start = {name: p.cpu_s() for name, p in others.items()}
-            api_start = apiserver_requests(cp)
-            base = scrape(metrics_port)
+        stack.callback(watch.stop)
+        cpu_start, rss_start = proc.cpu_s(), proc.rss_mb()
+        # Where the machine's CPU goes while busy: every component's, the simulator's, the operator's.
+        others = {name: Proc(pid, sample=False) for name, pid in cp.pids().items()}
+        others["simulator"] = Proc(sim.pid, sample=False)
+        others_start = {name: p.cpu_s() for name, p in others.items()}
+        api_start = apiserver_requests(cp)
+        base = scrape(operator.metrics_port)
 
-            created: dict[str, float] = {}
+        created: dict[str, float] = {}
 
-            def create(i: int) -> None:
-                obj = servedmodel(i, args.probe_interval, not args.no_probe)
-                cp.request(
-                    "POST",
-                    f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels",
-                    obj,
-                )
-                created[obj["metadata"]["name"]] = time.monotonic()
+        def create(i: int) -> None:
+            obj = servedmodel(i, args.probe_interval, not args.no_probe)
+            cp.request(
+                "POST",
+                f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels",
+                obj,
+            )
+            created[obj["metadata"]["name"]] = time.monotonic()
 
-            spy = None
-            if args.profile:
-                spy = subprocess.Popen(
-                    [str(Path(sys.executable).parent / "py-spy"), "record", "-f", "raw", "-r", "50", "-d",
-                     str(int(args.profile_s)), "-o", str(args.profile), "--pid", str(operator.pid)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )  # fmt: skip
-            t_apply = time.monotonic()
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(create, range(n)))
-            t_created = time.monotonic()
-            want_probed = 0 if args.no_probe else n
-            deadline = t_apply + args.timeout
-            while time.monotonic() < deadline:
-                ready, probed = watch.counts()
-                if ready >= n and probed >= want_probed:
-                    break
-                time.sleep(0.5)
-            t_settled = time.monotonic()
-            if spy is not None:
-                spy.wait(timeout=args.profile_s + 60)
-            busy = scrape(metrics_port)
-            cpu_busy = proc.cpu_s()
-            others_busy = {name: p.cpu_s() - others_start[name] for name, p in others.items()}
-            api_busy = {
-                k: (n - api_start.get(k, (0.0, 0.0))[0], secs - api_start.get(k, (0.0, 0.0))[1])
-                for k, (n, secs) in apiserver_requests(cp).items()
-            }
-            stage_s = stages(cp)
+        spy = None
+        if args.profile:
+            spy = subprocess.Popen(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "-f", "raw", "-r", "50", "-d",
+                 str(int(args.profile_s)), "-o", str(args.profile), "--pid", str(operator.pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        t_apply = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(create, range(n)))
+        t_created = time.monotonic()
+        want_probed = 0 if args.no_probe else n
+        deadline = t_apply + args.timeout
+        while time.monotonic() < deadline:
+            ready, probed = watch.counts()
+            if ready >= n and probed >= want_probed:
+                break
+            time.sleep(0.5)
+        t_settled = time.monotonic()
+        if spy is not None:
+            spy.wait(timeout=args.profile_s + 60)
+        busy = scrape(operator.metrics_port)
+        cpu_busy = proc.cpu_s()
+        others_busy = {name: p.cpu_s() - others_start[name] for name, p in others.items()}
+        api_busy = {
+            k: (n - api_start.get(k, (0.0, 0.0))[0], secs - api_start.get(k, (0.0, 0.0))[1])
+            for k, (n, secs) in apiserver_requests(cp).items()
+        }
+        stage_s = stages(cp)
 
-            time.sleep(args.idle)
-            idle = scrape(metrics_port)
-            rss_idle = proc.rss_mb()
-            cpu_idle = proc.cpu_s()
+        time.sleep(args.idle)
+        idle = scrape(operator.metrics_port)
+        rss_idle = proc.rss_mb()
+        if args.memory_profile is not None:
+            print(operator.snapshot_memory(), file=sys.stderr)
+        cpu_idle = proc.cpu_s()
 
-            t_delete = time.monotonic()
-            # deletecollection (kubectl delete --all sends one DELETE per object, in turn). The server
-            # stops deleting when the request ends (its own 60 s timeout, or a client that hangs up),
-            # so the request is sent again until nothing is left.
-            collection = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
-            sm_gone = deploy_gone = None
-            while time.monotonic() < t_delete + args.timeout:
-                if sm_gone is None:
-                    cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
-                if sm_gone is None and count(cp, "servedmodels") == 0:
-                    sm_gone = time.monotonic() - t_delete
-                if sm_gone is not None and count(cp, "deployments") == 0:
-                    deploy_gone = time.monotonic() - t_delete
-                    break
-                time.sleep(1.0)
-            cpu_end = proc.cpu_s()
-        finally:
-            watch.stop()
-            proc.stop()
-            operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait()
+        t_delete = time.monotonic()
+        # deletecollection (kubectl delete --all sends one DELETE per object, in turn). The server
+        # stops deleting when the request ends (its own 60 s timeout, or a client that hangs up),
+        # so the request is sent again until nothing is left.
+        collection = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
+        sm_gone = deploy_gone = None
+        while time.monotonic() < t_delete + args.timeout:
+            if sm_gone is None:
+                cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
+            if sm_gone is None and count(cp, "servedmodels") == 0:
+                sm_gone = time.monotonic() - t_delete
+            if sm_gone is not None and count(cp, "deployments") == 0:
+                deploy_gone = time.monotonic() - t_delete
+                break
+            time.sleep(1.0)
+        cpu_end = proc.cpu_s()
 
     ready_s = sorted(watch.ready[k] - created[k] for k in watch.ready if k in created)
     probe_s = sorted(watch.probed[k] - watch.ready[k] for k in watch.probed if k in watch.ready)
@@ -486,10 +406,10 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         ),
         ("operator's requests until all Ready by method: count, mean s for a slot / to response", by_verb),
         (
-            "API server requests until all Ready, all clients (the 8 most: count, mean s)",
+            "API server requests until all Ready, all clients (the 10 with the most seconds: count, mean s)",
             "; ".join(
                 f"{k}: {n:.0f}, {secs / max(n, 1):.3f} s"
-                for k, (n, secs) in sorted(api_busy.items(), key=lambda kv: -kv[1][0])[:8]
+                for k, (n, secs) in sorted(api_busy.items(), key=lambda kv: -kv[1][1])[:10]
             ),
         ),
         ("load average at the end (1 / 5 / 15 min)", " / ".join(f"{x:.1f}" for x in os.getloadavg())),
@@ -509,18 +429,16 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks of the operator here")
     parser.add_argument(
+        "--memory-profile",
+        type=Path,
+        default=None,
+        help="run the operator under tracemalloc and print where its memory is after the idle (to stderr)",
+    )
+    parser.add_argument(
         "--profile-s", type=float, default=60.0, help="seconds to profile from the first create"
     )
     args = parser.parse_args()
-    rows = run(args)
-    if args.markdown:
-        print(f"| N = {args.n} | |\n|---|---|")
-        for key, value in rows:
-            print(f"| {key} | {value} |")
-    else:
-        width = max(len(k) for k, _ in rows)
-        for key, value in rows:
-            print(f"{key:<{width}}  {value}")
+    print_rows(run(args), markdown=args.markdown, title=f"N = {args.n}")
     return 0
 
 

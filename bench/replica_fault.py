@@ -22,16 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +34,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench_support import OperatorProcess, Proc, controlplane, prepare, scrape, total
 from servedmodel.sim.process import SimulatorProcess
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "hack"))
-import controlplane  # noqa: E402  (hack/ is tooling, not a package)
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMESPACE = "bench"
@@ -53,23 +45,6 @@ FAULTS = {
     "error": {"error_rate": 1.0, "error_status": 500},
     "die": {"dead": True},
 }
-
-
-def kubectl_json(cp: controlplane.ControlPlane, *args: str) -> Any:
-    return json.loads(cp.kubectl(*args, "-o", "json").stdout)
-
-
-def endpoints(cp: controlplane.ControlPlane) -> dict[str, bool]:
-    slices = kubectl_json(
-        cp, "get", "endpointslices", "-n", NAMESPACE, "-l", f"kubernetes.io/service-name={NAME}-engine"
-    )
-    out: dict[str, bool] = {}
-    for sl in slices["items"]:
-        for ep in sl.get("endpoints") or []:
-            ref = ep.get("targetRef") or {}
-            if ref.get("kind") == "Pod":
-                out[str(ref["name"])] = bool((ep.get("conditions") or {}).get("ready"))
-    return out
 
 
 def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
@@ -83,14 +58,8 @@ def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
         time.sleep(interval)
 
 
-def scrape(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "servedmodel_probe_pod_total"
-    )
+def pod_probes_total(operator: OperatorProcess) -> float:
+    return total(scrape(operator.metrics_port), "servedmodel_probe_pod_total")
 
 
 def sim_requests(sims: list[SimulatorProcess]) -> float:
@@ -102,23 +71,6 @@ def sim_requests(sims: list[SimulatorProcess]) -> float:
                 if s.name == "http_requests_total" and s.labels.get("handler") != "/metrics":
                     total += s.value
     return total + 0.0
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_healthy(port: int, timeout: float = 60.0) -> None:
-    wait("operator /healthz", lambda: _ok(f"http://127.0.0.1:{port}/healthz"), timeout, 0.2)
-
-
-def _ok(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=1)
-        return True
-    except OSError:
-        return False
 
 
 def fmt(values: list[float]) -> str:
@@ -144,44 +96,13 @@ def main() -> int:
         sims = [
             stack.enter_context(SimulatorProcess(sim_args, ready_timeout=60)) for _ in range(args.replicas)
         ]
-        cp.kubectl(
-            "apply", "--server-side", "-f", str(ROOT / "crds/inference.servedmodel.io_servedmodels.yaml")
-        )
-        cp.wait_established("servedmodels.inference.servedmodel.io")
-        cp.kubectl("create", "namespace", NAMESPACE)
+        prepare(cp, NAMESPACE)
         override = Path(tempfile.mkdtemp(prefix="replica-fault-")) / "endpoints"
         override.write_text("")
-        health, metrics = controlplane.free_ports(2)
-        env = {
-            **os.environ,
-            **cp.env,
-            "SERVEDMODEL_HEALTH_PORT": str(health),
-            "SERVEDMODEL_METRICS_PORT": str(metrics),
-            "SERVEDMODEL_ENDPOINT_OVERRIDE": f"@{override}",
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "servedmodel.cli",
-            "run",
-            "-n",
-            NAMESPACE,
-            "--bind-address",
-            "127.0.0.1",
-            "-q",
-        ]
-        operator = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-        def stop_operator() -> None:
-            operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait()
-
-        stack.callback(stop_operator)
-        wait_healthy(health)
+        operator = stack.enter_context(
+            OperatorProcess(cp, NAMESPACE, endpoint_override=f"@{override}", quiet=True)
+        )
+        proc = Proc(operator.pid, sample=False)
         probe = {
             "interval": args.interval,
             "readinessGate": True,
@@ -205,9 +126,7 @@ def main() -> int:
         cp.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(sm))
 
         def running_pods() -> list[str] | None:
-            pods = kubectl_json(
-                cp, "get", "pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={NAME}"
-            )
+            pods = cp.get_json("pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={NAME}")
             names = sorted(
                 p["metadata"]["name"]
                 for p in pods["items"]
@@ -215,18 +134,25 @@ def main() -> int:
             )
             return names if len(names) == args.replicas else None
 
+        def endpoints() -> dict[str, bool]:
+            return cp.endpoint_ready(NAMESPACE, f"{NAME}-engine")
+
         names = wait("engine pods running", running_pods, 120)
         mapped = time.monotonic()
         override.write_text(
             "\n".join(f"{NAMESPACE}/{NAME}/{n}={s.base_url}" for n, s in zip(names, sims, strict=True))
         )
-        wait("every endpoint ready", lambda: endpoints(cp) == dict.fromkeys(names, True), 120)
+        wait(
+            "every endpoint ready",
+            lambda: endpoints() == dict.fromkeys(names, True),
+            120,
+        )
         first_ready = time.monotonic() - mapped
 
         # Probe cost with everything serving.
-        probes0, cpu0, req0 = scrape(metrics), cpu_s(operator.pid), sim_requests(sims)
+        probes0, cpu0, req0 = pod_probes_total(operator), proc.cpu_s(), sim_requests(sims)
         time.sleep(args.idle)
-        probes1, cpu1, req1 = scrape(metrics), cpu_s(operator.pid), sim_requests(sims)
+        probes1, cpu1, req1 = pod_probes_total(operator), proc.cpu_s(), sim_requests(sims)
         pod_probes = probes1 - probes0
 
         victim, sim = names[-1], sims[-1]
@@ -237,14 +163,22 @@ def main() -> int:
                 time.sleep(rng.uniform(0, args.interval))  # a random moment of the probe cycle
                 t0 = time.monotonic()
                 httpx.post(f"{sim.base_url}/admin/faults", json=settings, timeout=5).raise_for_status()
-                wait(f"{victim} out", lambda: endpoints(cp).get(victim) is False, 120)
+                wait(
+                    f"{victim} out",
+                    lambda: endpoints().get(victim) is False,
+                    120,
+                )
                 outs.append(time.monotonic() - t0)
-                others = endpoints(cp)
+                others = endpoints()
                 assert all(others[n] for n in names[:-1]), others  # the others keep serving
                 time.sleep(rng.uniform(0, args.interval))
                 t1 = time.monotonic()
                 httpx.post(f"{sim.base_url}/admin/faults", json={"reset": True}, timeout=5).raise_for_status()
-                wait(f"{victim} back", lambda: endpoints(cp).get(victim) is True, 120)
+                wait(
+                    f"{victim} back",
+                    lambda: endpoints().get(victim) is True,
+                    120,
+                )
                 backs.append(time.monotonic() - t1)
             results[fault] = (outs, backs)
 

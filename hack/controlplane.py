@@ -270,6 +270,23 @@ class ControlPlane:
         raw = self._call(method, path, body, content_type)
         return json.loads(raw) if raw else None
 
+    def get_json(self, *args: str, timeout: float = 60.0) -> Any:
+        """`kubectl get ARGS -o json`, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json", timeout=timeout).stdout)
+
+    def endpoint_ready(self, namespace: str, service: str) -> dict[str, bool]:
+        """pod name -> the `ready` of its endpoint in the Service's EndpointSlices."""
+        slices = self.get_json(
+            "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}"
+        )
+        out: dict[str, bool] = {}
+        for sl in slices["items"]:
+            for ep in sl.get("endpoints") or []:
+                ref = ep.get("targetRef") or {}
+                if ref.get("kind") == "Pod":
+                    out[str(ref["name"])] = bool((ep.get("conditions") or {}).get("ready"))
+        return out
+
     def get_text(self, path: str) -> str:
         """GET a plain-text endpoint (/readyz, /livez, /metrics)."""
         return self._call("GET", path, None, "").decode()

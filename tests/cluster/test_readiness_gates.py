@@ -27,29 +27,11 @@ WAIT_S = 120.0
 SIM_ARGS = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-model-len", "4096"]
 
 
-def kubectl_json(cp: controlplane.ControlPlane, *args: str) -> Any:
-    return json.loads(cp.kubectl(*args, "-o", "json").stdout)
-
-
 def ready_of(pod: dict[str, Any]) -> str | None:
     for c in (pod.get("status") or {}).get("conditions") or []:
         if c.get("type") == "Ready":
             return str(c.get("status"))
     return None
-
-
-def endpoint_ready(cp: controlplane.ControlPlane, namespace: str, service: str) -> dict[str, bool]:
-    """pod name -> the `ready` of its endpoint in the Service's EndpointSlices."""
-    slices = kubectl_json(
-        cp, "get", "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}"
-    )
-    out: dict[str, bool] = {}
-    for sl in slices["items"]:
-        for ep in sl.get("endpoints") or []:
-            ref = ep.get("targetRef") or {}
-            if ref.get("kind") == "Pod":
-                out[str(ref["name"])] = bool((ep.get("conditions") or {}).get("ready"))
-    return out
 
 
 def test_kwok_holds_a_gated_pod_until_its_gate_is_true(
@@ -83,7 +65,7 @@ def test_kwok_holds_a_gated_pod_until_its_gate_is_true(
         apply(cp, namespace, obj)
 
     def pod_state(name: str) -> dict[str, Any]:
-        got: dict[str, Any] = kubectl_json(cp, "get", "pod", name, "-n", namespace)
+        got: dict[str, Any] = cp.get_json("pod", name, "-n", namespace)
         return got
 
     def running(name: str) -> dict[str, Any] | None:
@@ -98,7 +80,7 @@ def test_kwok_holds_a_gated_pod_until_its_gate_is_true(
     assert gate not in conds  # kwok sets no gate condition itself
     cluster_support.wait_for(
         "the plain pod's endpoint ready, the gated one's not",
-        lambda: endpoint_ready(cp, namespace, "gated") == {"plain": True, "gated": False},
+        lambda: cp.endpoint_ready(namespace, "gated") == {"plain": True, "gated": False},
         WAIT_S,
     )
 
@@ -119,23 +101,23 @@ def test_kwok_holds_a_gated_pod_until_its_gate_is_true(
     set_gate("True")
     cluster_support.wait_for("Ready after the gate", lambda: ready_of(pod_state("gated")) == "True", WAIT_S)
     cluster_support.wait_for(
-        "its endpoint ready", lambda: endpoint_ready(cp, namespace, "gated").get("gated") is True, WAIT_S
+        "its endpoint ready", lambda: cp.endpoint_ready(namespace, "gated").get("gated") is True, WAIT_S
     )
     set_gate("False")
     cluster_support.wait_for("NotReady again", lambda: ready_of(pod_state("gated")) == "False", WAIT_S)
     cluster_support.wait_for(
-        "its endpoint not ready", lambda: endpoint_ready(cp, namespace, "gated").get("gated") is False, WAIT_S
+        "its endpoint not ready", lambda: cp.endpoint_ready(namespace, "gated").get("gated") is False, WAIT_S
     )
     assert ready_of(pod_state("plain")) == "True"  # a pod without gates is left alone
 
 
 def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any]:
-    got: dict[str, Any] = kubectl_json(cp, "get", "servedmodel", name, "-n", namespace)
+    got: dict[str, Any] = cp.get_json("servedmodel", name, "-n", namespace)
     return got
 
 
 def engine_pods(cp: controlplane.ControlPlane, namespace: str, name: str) -> list[dict[str, Any]]:
-    pods = kubectl_json(cp, "get", "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
+    pods = cp.get_json("pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
     live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
     return sorted(live, key=lambda p: str(p["metadata"]["name"]))
 
@@ -202,7 +184,7 @@ def test_one_replica_of_three_fails_and_leaves_the_endpoint_slice(
         )
 
         def all_ready() -> dict[str, bool] | None:
-            eps = endpoint_ready(cp, namespace, "qwen-engine")
+            eps = cp.endpoint_ready(namespace, "qwen-engine")
             return eps if eps == dict.fromkeys(names, True) else None
 
         cluster_support.wait_for(
@@ -228,7 +210,7 @@ def test_one_replica_of_three_fails_and_leaves_the_endpoint_slice(
         set_faults(sims[2], **fault)
 
         def third_out() -> dict[str, bool] | None:
-            eps = endpoint_ready(cp, namespace, "qwen-engine")
+            eps = cp.endpoint_ready(namespace, "qwen-engine")
             return eps if eps == {names[0]: True, names[1]: True, names[2]: False} else None
 
         cluster_support.wait_for(f"{names[2]} out of the EndpointSlice", third_out, WAIT_S, detail=op.log)
@@ -249,9 +231,7 @@ def test_one_replica_of_three_fails_and_leaves_the_endpoint_slice(
             WAIT_S,
             detail=op.log,
         )
-        events = kubectl_json(
-            cp, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={names[2]}"
-        )
+        events = cp.get_json("events", "-n", namespace, "--field-selector", f"involvedObject.name={names[2]}")
         assert "ReplicaNotServing" in {e["reason"] for e in events["items"]}
 
         set_faults(sims[2], reset=True)
