@@ -49,7 +49,7 @@ from .api.names import selector_labels, selector_string
 from .api.probe import ProbeSpec, ProbeStatus
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
-from .k8s import ApiError, NotFoundError
+from .k8s import ApiError, Cache, KubeClient, NotFoundError
 from .probe import errors
 from .probe.client import MetricsReader, PodMetrics, ProbeOutcome, http_timeout, run_probe
 from .probe.endpoints import (
@@ -83,56 +83,6 @@ SERVED_MODEL_KIND: Final = "ServedModel"
 INVALID_SPEC_WAIT_S: Final = 30.0
 CACHE_SYNC_S: Final = 1.0  # how often the loop compares its ServedModels with the cache's
 IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from the cache, stop requests)
-
-
-class KubeApi(Protocol):
-    """What the scheduler asks of servedmodel.k8s's client."""
-
-    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Obj | None: ...
-
-    async def list(
-        self,
-        api_version: str,
-        plural: str,
-        namespace: str | None = None,
-        *,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        page_size: int = 500,
-    ) -> list[Obj]: ...
-
-    async def apply_status(
-        self,
-        api_version: str,
-        plural: str,
-        namespace: str | None,
-        name: str,
-        status: Obj,
-        field_manager: str,
-        *,
-        force: bool = True,
-    ) -> Obj: ...
-
-    async def create_event(self, involved: Obj, *, type: str, reason: str, message: str) -> Obj: ...
-
-
-class CacheReads(Protocol):
-    """The watch-fed cache's read API (servedmodel.k8s.cache), the part the scheduler uses."""
-
-    def tracks(self, kind: str) -> bool: ...
-
-    def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
-
-    def keys(self, kind: str = ...) -> list[Key]: ...
-
-    def list(
-        self,
-        kind: str,
-        namespace: str | None = None,
-        *,
-        labels: Mapping[str, str | None] | None = None,
-        owner_uid: str | None = None,
-    ) -> list[Obj]: ...
 
 
 Enqueue = Callable[[str, str], object]
@@ -430,10 +380,10 @@ class ProbeScheduler:
     every tick it tracks the cache's ServedModel keys and forgets the ones gone from it.
     """
 
-    kube: KubeApi
+    kube: KubeClient  # tests give fakes with the methods used: get, list, apply_status, create_event
     config: OperatorConfig
     metrics: ProbeMetrics = field(default_factory=lambda: ProbeMetrics(CollectorRegistry()))
-    cache: CacheReads | None = None
+    cache: Cache | None = None
     enqueue: Enqueue | None = None
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
