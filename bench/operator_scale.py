@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -168,8 +167,7 @@ class Watch:
 
 
 def listing(cp: controlplane.ControlPlane, what: str) -> list[dict[str, Any]]:
-    out = cp.kubectl("get", what, "-n", NAMESPACE, "-o", "json", timeout=120).stdout
-    items: list[dict[str, Any]] = json.loads(out)["items"]
+    items: list[dict[str, Any]] = cp.get_json(what, "-n", NAMESPACE, timeout=120)["items"]
     return items
 
 

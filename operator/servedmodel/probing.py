@@ -667,11 +667,9 @@ class ProbeScheduler:
             return result
         model.last_patch, model.last_status = patch, new
         if isinstance(written, dict) and written.get("metadata"):
-            self._write_through(SERVED_MODEL_KIND, written)
             # The cache's slim copy where it has one: the answer itself carries managedFields (the
             # probe's status twice over), and a thousand of them were a tenth of the operator's memory.
-            cached = self.cache.get(SERVED_MODEL_KIND, namespace, name) if self.cache is not None else None
-            model.body = cached if cached is not None else written
+            model.body = self._write_through(SERVED_MODEL_KIND, written)
         self.metrics.status_writes.labels(namespace, name).inc()
         result.written = True
         if before != after and self.enqueue is not None:  # Serving changed: phase/Degraded follow
@@ -861,12 +859,14 @@ class ProbeScheduler:
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
 
-    def _write_through(self, kind: str, obj: Obj) -> None:
-        """Our write's answer into the cache (its `upsert`, where it has one), so the next cycle does
-        not act on a copy older than what it wrote."""
-        upsert = getattr(self.cache, "upsert", None)
-        if callable(upsert) and isinstance(obj, dict) and obj.get("metadata"):
-            upsert(kind, obj)
+    def _write_through(self, kind: str, obj: Obj) -> Obj:
+        """Our write's answer into the cache, so the next cycle does not act on a copy older than what
+        it wrote; returns the cache's (slim) copy, or `obj` without a cache."""
+        if self.cache is None or not obj.get("metadata"):
+            return obj
+        self.cache.upsert(kind, obj)
+        meta = obj["metadata"]
+        return self.cache.get(kind, str(meta.get("namespace") or ""), str(meta.get("name"))) or obj
 
     async def _event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
         try:

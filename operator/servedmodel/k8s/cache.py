@@ -96,17 +96,17 @@ def _interned(value: Any) -> Any:
 def slim(obj: Mapping[str, Any], kind: str | None = None) -> Obj:
     """A copy without managedFields and kubectl's last-applied annotation (nothing here reads them),
     its keys and short strings interned; a Pod's spec cut to what the operator reads."""
-    rest = {k: v for k, v in obj.items() if k != "metadata"}
-    if kind == "Pod" and isinstance(rest.get("spec"), Mapping):
-        rest["spec"] = _pod_spec(rest["spec"])
-    out: Obj = _interned(rest)
+    out = dict(obj)
     meta = dict(_meta(obj))
     meta.pop("managedFields", None)
     annotations = meta.get("annotations")
     if isinstance(annotations, Mapping) and LAST_APPLIED in annotations:
         meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
-    out["metadata"] = _interned(meta)
-    return out
+    out["metadata"] = meta
+    if kind == "Pod" and isinstance(out.get("spec"), Mapping):
+        out["spec"] = _pod_spec(out["spec"])
+    interned: Obj = _interned(out)
+    return interned
 
 
 def _instance(obj: Mapping[str, Any]) -> str | None:
@@ -180,13 +180,15 @@ class Cache:
 
     def _unindex(self, kind: str, namespace: str, name: str, obj: Obj) -> None:
         instance = _instance(obj)
+        if instance is None:
+            return
         by_key = self._by_instance.get(kind, {})
-        group = by_key.get((namespace, instance)) if instance is not None else None
+        group = by_key.get((namespace, instance))
         if group is None:
             return
         group.pop(name, None)
         if not group:
-            del by_key[(namespace, str(instance))]
+            del by_key[(namespace, instance)]
 
     # ---- reads -----------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import functools
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -190,8 +190,8 @@ class _AuthTransport(httpx.AsyncBaseTransport):
         # Seconds by method: waiting for one of the max_inflight slots, and from the slot to the
         # response's headers (what the API server took, plus this event loop's own delays): beside the
         # server's apiserver_request_duration_seconds they say where a slow request waited.
-        self.slot_wait_s: dict[str, float] = {}
-        self.response_s: dict[str, float] = {}
+        self.slot_wait_s: defaultdict[str, float] = defaultdict(float)
+        self.response_s: defaultdict[str, float] = defaultdict(float)
         self.in_flight = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -199,7 +199,7 @@ class _AuthTransport(httpx.AsyncBaseTransport):
         async with self._slots:
             self.in_flight += 1
             started = time.monotonic()
-            self.slot_wait_s[request.method] = self.slot_wait_s.get(request.method, 0.0) + started - queued
+            self.slot_wait_s[request.method] += started - queued
             try:
                 response = await self._send(request, refresh=False)
                 if response.status_code == 401 and self._identity.tokens is not None:
@@ -208,8 +208,7 @@ class _AuthTransport(httpx.AsyncBaseTransport):
                 return response
             finally:
                 self.in_flight -= 1
-                elapsed = time.monotonic() - started
-                self.response_s[request.method] = self.response_s.get(request.method, 0.0) + elapsed
+                self.response_s[request.method] += time.monotonic() - started
 
     async def _send(self, request: httpx.Request, *, refresh: bool) -> httpx.Response:
         header = (await self._identity.credential(refresh=refresh)).header()
