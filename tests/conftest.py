@@ -2,8 +2,9 @@
 
 One control plane per test session (started on first use), the CRDs from crds/ installed, a fresh
 namespace per test. Binaries are built by `make control-plane`, never here: when they are missing,
-every test marked `cluster` is skipped with the reason. At the end the suite checks that no
-component it started is still running and fails loudly if one is.
+every test marked `cluster` is skipped with the reason, or fails with it under
+SERVEDMODEL_REQUIRE_CLUSTER=1 (tests/required.py; .ci/run sets it), where no test may skip at all. At
+the end the suite checks that no component it started is still running and fails loudly if one is.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "hack"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import controlplane  # noqa: E402  (hack/ is tooling, not a package)
+from required import REQUIRE_CLUSTER, need, required  # noqa: E402  (tests/ is not a package either)
 
 CRD_DIR = ROOT / "crds"
 _leftovers_report: list[str] = []
@@ -41,17 +44,54 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def control_plane_missing() -> str | None:
     missing = controlplane.missing_binaries()
     if not missing:
-        return
-    reason = (
+        return None
+    return (
         f"control plane not built ({', '.join(missing)} missing in {controlplane.default_bin_dir()}); "
         "run `make control-plane` (hack/build-control-plane.sh), see docs/control-plane.md"
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Locally, skip at collection (no session fixture starts for a test that cannot run). Required, mark
+    # nothing: `_cluster_build` fails each `cluster` test with the reason.
+    reason = control_plane_missing()
+    if reason is None or required():
+        return
     for item in items:
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _cluster_build(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cluster"):
+        need(control_plane_missing())
+
+
+def _skip_forbidden(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under SERVEDMODEL_REQUIRE_CLUSTER=1 a skip of any kind is a failure: the backstop for a skip that
+    does not come through `need` (a fixture of another folder, a new test)."""
+    if not (report.skipped and required(REQUIRE_CLUSTER)) or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"{REQUIRE_CLUSTER}=1: no test may skip (every tier is required), but: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _skip_forbidden(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _skip_forbidden(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -76,9 +116,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture(scope="session")
 def bare_control_plane(request: pytest.FixtureRequest) -> Iterator[controlplane.ControlPlane]:
     """The session's control plane without the project's CRDs (tests of the control plane itself)."""
-    missing = controlplane.missing_binaries()
-    if missing:
-        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
+    need(control_plane_missing())
     cp = controlplane.start()
     failed_before = request.session.testsfailed
     mp = pytest.MonkeyPatch()

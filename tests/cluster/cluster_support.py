@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
 import olm_tools
+from required import absent
 
 T = TypeVar("T")
 
@@ -22,15 +23,14 @@ T = TypeVar("T")
 @contextmanager
 def own_control_plane(fetch: Callable[[], T]) -> Iterator[tuple[controlplane.ControlPlane, T]]:
     """A control plane of a module's own (for cluster-wide objects the session's must not see), and what
-    `fetch` gets for it (olm_tools' CRDs); the module is skipped when the control plane is not built or
-    `fetch` cannot get it."""
-    missing = controlplane.missing_binaries()
-    if missing:
-        pytest.skip(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
+    `fetch` gets for it (olm_tools' CRDs); the module is skipped (failed under
+    SERVEDMODEL_REQUIRE_CLUSTER=1) when the control plane is not built or `fetch` cannot get it."""
+    if missing := controlplane.missing_binaries():
+        absent(f"control plane not built: {', '.join(missing)} missing; run `make control-plane`")
     try:
         fetched = fetch()
     except olm_tools.ToolUnavailable as exc:
-        pytest.skip(str(exc))
+        absent(f"OLM tools unavailable: {exc}")
     with controlplane.running() as cp:
         yield cp, fetched
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
 from probe_support import PrometheusServer  # tests/probe's helper (tests are not a package)
 
 from loopback import prometheus_missing
+from required import need
 
 OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
 
@@ -278,8 +279,7 @@ def test_prometheus_source_with_bearer_token(
 ) -> None:
     """spec.probe.metricsSource prometheus: the daemon reads the token Secret and queries PromQL filtered
     by model_name and namespace (a real Prometheus on loopback scraping the simulator every second)."""
-    if missing := prometheus_missing():
-        pytest.skip(missing)
+    need(prometheus_missing())
     cp, namespace = probing.cp, probing.namespace
     args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--sim-step-base-ms", "2"]
     with SimulatorProcess(args, ready_timeout=60) as sim:

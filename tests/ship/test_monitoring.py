@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from required import absent
+
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "manifests" / "monitoring"
 RULE_FILE = MONITORING / "prometheus_rule.yaml"
@@ -70,7 +72,7 @@ def used_metrics() -> set[str]:
 def promtool() -> str:
     exe = shutil.which("promtool")
     if exe is None:
-        pytest.skip("promtool not installed (Debian package prometheus)")
+        absent("promtool not installed (Debian package prometheus)")
     return exe
 
 

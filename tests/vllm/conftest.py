@@ -2,7 +2,8 @@
 
 Tests here carry the `vllm` marker. Without the pinned environment (`make vllm`) they are skipped,
 naming what is missing; with SERVEDMODEL_REQUIRE_VLLM=1 (.ci/run sets it) they error instead, so CI
-never passes by skipping them.
+never passes by skipping them (tests/required.py). The ones also marked `cluster` need the control plane
+too: SERVEDMODEL_REQUIRE_CLUSTER=1 (also set by .ci/run) makes its absence an error as well.
 
 Fixtures (reuse them from any test under tests/vllm/):
 - `vllm_qwen25` (session): tiny Qwen2.5-Instruct served as "qwen", max_model_len 4096, default flags.
@@ -26,7 +27,6 @@ test's report carries the tail of every vLLM log the module used.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,9 +39,10 @@ import pytest
 import vllm_env
 import vllm_models
 import vllm_server
+from required import REQUIRE_VLLM, need, required
 from vllm_server import VLLMServer
 
-REQUIRED = os.environ.get("SERVEDMODEL_REQUIRE_VLLM") == "1"
+REQUIRED = required(REQUIRE_VLLM)
 _servers: list[VLLMServer] = []
 CLUSTER_TESTS = Path(__file__).resolve().parents[1] / "cluster"
 
@@ -94,11 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _require_vllm() -> None:
-    reason = missing_reason()
-    if reason is not None:
-        if REQUIRED:
-            pytest.fail(f"SERVEDMODEL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+    need(missing_reason(), env=REQUIRE_VLLM)
 
 
 # Rows of the fault table (tests/vllm/test_faults_vllm.py), printed at the end of the run: fault, what
