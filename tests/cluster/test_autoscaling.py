@@ -24,17 +24,16 @@ import yaml
 from autoscaling_support import (
     Adapter,
     EnginePods,
-    KedaOperator,
     Load,
     Prometheus,
     adapter_binary,
     engine_metric,
-    keda_operator_binary,
 )
 from cluster_support import ProbingOperator, apply, condition, served_model
 
 import controlplane
-from loopback import PROMETHEUS_MISSING, prometheus_missing
+from loopback import prometheus_missing
+from required import absent, need
 from servedmodel.api import names
 from servedmodel.scaling import HANDOVER_MANAGER
 from servedmodel.sim.process import SimulatorProcess
@@ -121,24 +120,17 @@ def delete_served_models(cp: controlplane.ControlPlane, namespace: str) -> None:
     )
 
 
-def need(*tools: str) -> None:
-    """Skip unless each of these is here: "prometheus" (Debian's), "adapter" (prometheus-adapter),
-    "keda" (KEDA's operator)."""
+def need_tools(*tools: str) -> None:
+    """Skip (fail under SERVEDMODEL_REQUIRE_CLUSTER=1) unless each of these is here: "prometheus"
+    (Debian's), "adapter" (prometheus-adapter)."""
     missing = {
-        "prometheus": (prometheus_missing() is not None, PROMETHEUS_MISSING),
-        "adapter": (
-            not adapter_binary().is_file(),
-            f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`",
-        ),
-        "keda": (
-            not keda_operator_binary().is_file(),
-            f"KEDA's operator not built ({keda_operator_binary()}): run hack/build-keda-operator.sh",
-        ),
+        "prometheus": prometheus_missing(),
+        "adapter": None
+        if adapter_binary().is_file()
+        else f"prometheus-adapter not built ({adapter_binary()}): run `make prometheus-adapter`",
     }
     for tool in tools:
-        absent, why = missing[tool]
-        if absent:
-            pytest.skip(why)
+        need(missing[tool])
 
 
 def started_adapter(cp: controlplane.ControlPlane, prom: Prometheus) -> Adapter:
@@ -321,7 +313,7 @@ def test_hpa_scales_on_waiting_requests_end_to_end(
     operator: OperatorProcess,
     engines: list[SimulatorProcess],
 ) -> None:
-    need("prometheus", "adapter")
+    need_tools("prometheus", "adapter")
     cp = control_plane
     name = "qwen-hpa"
     watched = Watched(cp, namespace, name)
@@ -411,7 +403,7 @@ def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
 ) -> None:
     """The probe TTFT target end to end: the operator's gauge → Prometheus (honor_labels, as the operator's
     ServiceMonitor) → prometheus-adapter's Object metric on the ServedModel → the HPA controller."""
-    need("prometheus", "adapter")
+    need_tools("prometheus", "adapter")
     cp, namespace = probing.cp, probing.namespace
     name = "qwen-ttft"
     watched = Watched(cp, namespace, name)
@@ -475,7 +467,7 @@ def keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
     try:
         paths = [olm_tools.keda_crd(p) for p in ("scaledobjects", "triggerauthentications")]
     except olm_tools.ToolUnavailable as e:
-        pytest.skip(f"KEDA CRDs unavailable: {e}")
+        absent(f"KEDA CRDs unavailable: {e}")
     args = [a for p in paths for a in ("-f", str(p))]
     control_plane.kubectl("apply", "--server-side", *args)
     for crd in ("scaledobjects.keda.sh", "triggerauthentications.keda.sh"):
@@ -632,94 +624,4 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
             watched.wait_serving("True")
             assert engine_metric(sim, "vllm:request_success_total") > chats_at_zero
         finally:
-            delete_served_models(cp, namespace)
-
-
-@pytest.fixture
-def all_keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
-    """Every CRD KEDA's operator watches (config/crd/bases), removed afterwards; only where the operator
-    is built (nothing else needs them)."""
-    need("keda")
-    plurals = ("scaledobjects", "scaledjobs", "triggerauthentications", "clustertriggerauthentications")
-    try:
-        paths = [olm_tools.keda_crd(p) for p in plurals]
-        base = paths[0].parent
-        paths += [
-            base / "eventing.keda.sh_cloudeventsources.yaml",
-            base / "eventing.keda.sh_clustercloudeventsources.yaml",
-        ]
-    except olm_tools.ToolUnavailable as e:
-        pytest.skip(f"KEDA CRDs unavailable: {e}")
-    args = [a for p in paths for a in ("-f", str(p))]
-    control_plane.kubectl("apply", "--server-side", *args)
-    for path in paths:
-        control_plane.wait_established(yaml.safe_load(path.read_text())["metadata"]["name"])
-    try:
-        yield
-    finally:
-        control_plane.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
-
-
-def test_keda_operator_makes_its_hpa_and_scales_an_idle_model_to_zero(
-    probing: ProbingOperator,
-    all_keda_crds: None,
-) -> None:
-    """KEDA's real operator (hack/build-keda-operator.sh) on what the operator renders: it makes
-    keda-hpa-<name>, polls the Prometheus trigger, finds the model idle and scales it to zero; the
-    ServedModel says ScaledToZero and the probe sends nothing."""
-    need("keda", "prometheus")
-    cp, namespace = probing.cp, probing.namespace
-    name = "qwen-idle"
-    watched = Watched(cp, namespace, name)
-    with SimulatorProcess(QUICK_ENGINE, ready_timeout=60) as sim:
-        pods = EnginePods(cp, namespace, names.selector_string(name), [sim])
-        prom = Prometheus(pods.targets_file)
-        keda: KedaOperator | None = None
-        try:
-            prom.wait_ready()
-            keda = KedaOperator(cp, namespace)
-            probing.start(name, sim.base_url)
-            auto = {
-                "minReplicas": 1,
-                "maxReplicas": 2,
-                "targets": {"waitingRequestsPerReplica": 2},
-                "scaleToZero": True,
-                "cooldownSeconds": 5,
-                "pollingIntervalSeconds": 1,
-                "prometheus": {"url": prom.base_url},
-            }
-            apply(
-                cp,
-                namespace,
-                served_model(name, servedModelName="qwen", probe={"interval": 5}, autoscaling=auto),
-            )
-            pods.start()
-            hpa = wait_for("KEDA's HPA", lambda: get(cp, namespace, "hpa", f"keda-hpa-{name}"), timeout=180)
-            assert hpa["metadata"]["ownerReferences"][0]["kind"] == "ScaledObject"
-            assert hpa["spec"]["metrics"][0]["type"] == "External"
-
-            auto = watched.wait_autoscaling(
-                "KEDA scaling the idle model to zero",
-                lambda a: a.get("reason") == "ScaledToZero",
-                timeout=180,
-            )
-            assert auto["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
-            dep = get(cp, namespace, "deployment", name)
-            assert dep is not None
-            assert dep["spec"]["replicas"] == 0
-            assert OPERATOR_MANAGER not in replicas_owners(dep)  # KEDA wrote it, through /scale
-            obj = watched.wait_serving("Unknown")
-            assert condition(obj, "Serving")["reason"] == "ScaledToZero"
-            chats = engine_metric(sim, "vllm:request_success_total")
-            time.sleep(3 * 5)  # three probe intervals at zero: an observation window
-            assert engine_metric(sim, "vllm:request_success_total") == chats
-            dep = get(cp, namespace, "deployment", name)
-            assert dep is not None
-            assert dep["spec"]["replicas"] == 0  # KEDA keeps it there while idle
-        finally:
-            pods.stop()
-            if keda is not None:
-                print(f"\nKEDA operator log tail:\n{keda.log_text()[-3000:]}")
-                keda.stop()
-            prom.stop()
             delete_served_models(cp, namespace)
