@@ -31,7 +31,7 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 KUSTOMIZATIONS = ["base", "overlays/kubernetes", "overlays/openshift", "monitoring"]
-SAMPLES = sorted(p for p in (MANIFESTS / "samples").glob("*.yaml") if p.name != "kustomization.yaml")
+SAMPLES = sorted((MANIFESTS / "samples").glob("*.yaml"))
 BUNDLE = MANIFESTS / "bundle" / "manifests"
 CSV_FILE = BUNDLE / "servedmodel-operator.clusterserviceversion.yaml"
 MONITORING_CRDS = ["servicemonitors", "podmonitors", "prometheusrules"]
@@ -110,13 +110,6 @@ def test_sample_applies(cluster: controlplane.ControlPlane, sample: Path, tmp_pa
     res = dry_run(cluster, "-k", str(tmp_path))
     assert res.returncode == 0, f"{sample.name} via -k:\n{res.stderr}"
     assert "servedmodel.inference.servedmodel.io/" in res.stdout
-
-
-def test_samples_kustomization_applies(cluster: controlplane.ControlPlane) -> None:
-    if not (MANIFESTS / "samples" / "kustomization.yaml").exists():
-        pytest.skip("manifests/samples has no kustomization.yaml (samples are applied one by one above)")
-    res = dry_run(cluster, "-n", "default", "-k", str(MANIFESTS / "samples"))
-    assert res.returncode == 0, res.stderr
 
 
 def test_operator_pod_passes_restricted_pod_security(cluster: controlplane.ControlPlane) -> None:
