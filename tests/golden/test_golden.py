@@ -40,6 +40,19 @@ def _golden(case: Path) -> str:
     return header + (to_yaml(objects) if objects else "# Nothing: external mode deploys nothing.\n")
 
 
+def _updating() -> bool:
+    """UPDATE_GOLDEN=1 rewrites the expected files, so every golden test passes: refused under CI."""
+    if os.environ.get("UPDATE_GOLDEN") != "1":
+        return False
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(
+            f"UPDATE_GOLDEN=1 is refused under CI (CI={os.environ['CI']}): it rewrites the expected files, "
+            "so every golden test would pass; regenerate them locally and review the diff",
+            pytrace=False,
+        )
+    return True
+
+
 def test_cases_cover_the_table() -> None:
     stems = {c.stem for c in CASES}
     assert {"qwen-7b-1gpu", "qwen-tp2", "cache-pvc", "external-endpoint", "simulator", "openshift"} <= stems
@@ -51,7 +64,7 @@ def test_cases_cover_the_table() -> None:
 def test_golden(case: Path) -> None:
     expected = HERE / "expected" / case.name
     actual = _golden(case)
-    if os.environ.get("UPDATE_GOLDEN") == "1":
+    if _updating():
         expected.write_text(actual)
     assert expected.exists(), f"no golden file; run UPDATE_GOLDEN=1 pytest {Path(__file__).name}"
     assert actual == expected.read_text(), f"{case.name}: rendering changed; UPDATE_GOLDEN=1 rewrites it"
