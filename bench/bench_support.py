@@ -132,6 +132,9 @@ class OperatorProcess:
             "SERVEDMODEL_HEALTH_PORT": str(self.health_port),
             "SERVEDMODEL_METRICS_PORT": str(self.metrics_port),
             "SERVEDMODEL_ENDPOINT_OVERRIDE": self.endpoint_override,
+            # /metrics without TokenReview/SubjectAccessReview: their API requests would be counted in
+            # the figures the benches read from it (servedmodel_kube_api_requests).
+            "SERVEDMODEL_METRICS_AUTH": "false",
         }
         command = [sys.executable, "-m", "servedmodel.cli", "run", "-n", self.namespace]
         if self.memory_profile is not None:  # tracemalloc; SIGUSR1 writes the file (bench/tracemalloc_run.py)

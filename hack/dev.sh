@@ -150,7 +150,8 @@ print(sm["metadata"]["name"], spec["model"], spec.get("servedModelName") or spec
   engine_url="http://127.0.0.1:${engine_port}"
 
   log "starting the operator (probes go to ${engine_url}; metrics :${metrics_port}, health :${health_port})"
-  SERVEDMODEL_ENDPOINT_OVERRIDE="${engine_url}" \
+  # Local development: /metrics without authentication (SERVEDMODEL_METRICS_AUTH; on by default).
+  SERVEDMODEL_ENDPOINT_OVERRIDE="${engine_url}" SERVEDMODEL_METRICS_AUTH=false \
     SERVEDMODEL_METRICS_PORT="${metrics_port}" SERVEDMODEL_HEALTH_PORT="${health_port}" \
     setsid "${SM}" run --all-namespaces --bind-address 127.0.0.1 </dev/null >"${LOGS}/operator.log" 2>&1 &
   echo "operator $!" >>"${PIDS}"

@@ -6,8 +6,10 @@ connects), not the model owner's.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .access import DEFAULT_ALLOWED_TARGETS, AllowList
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 # vLLM's own x86_64 CPU build of the same release (docker/Dockerfile.cpu), for resources.gpus: 0.
@@ -100,3 +102,44 @@ class OperatorConfig(BaseSettings):
     api_timeout: float = Field(
         default=30.0, gt=0, description="Read timeout of one Kubernetes API request, s (connect: 5 s)."
     )
+    # Security (docs/operations.md, "Security model"; servedmodel.access).
+    allowed_targets: str = Field(
+        default=DEFAULT_ALLOWED_TARGETS,
+        description=(
+            "Hosts an external endpoint (spec.endpoint) or a Prometheus URL (spec.probe.metricsSource."
+            "prometheus.url) may name, comma-separated: exact host names, '*.suffix' wildcards, and CIDRs "
+            "(which admit IP literals only; names are not resolved). Anything else is refused with "
+            "TargetNotAllowed. Default: in-cluster Service names."
+        ),
+    )
+    allow_insecure_tls: bool = Field(
+        default=False,
+        description=(
+            "Honour spec.probe.metricsSource.prometheus.insecureSkipVerify. Off: a ServedModel that sets it "
+            "is refused (InsecureTLSNotAllowed) instead of sending its token over unverified TLS."
+        ),
+    )
+    metrics_auth: bool = Field(
+        default=True,
+        description=(
+            "Serve /metrics only to callers whose bearer token passes a TokenReview and whose user may "
+            "`get` the non-resource URL /metrics (SubjectAccessReview; ClusterRole "
+            "servedmodel-metrics-reader). Off only for local development."
+        ),
+    )
+    metrics_auth_cache_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description="How long an allow decision of /metrics is reused (a denial: at most 10 s).",
+    )
+
+    @field_validator("allowed_targets")
+    @classmethod
+    def _parse_targets(cls, value: str) -> str:
+        AllowList.parse(value)  # a bad entry fails at start-up, naming it
+        return value
+
+    @property
+    def target_allow_list(self) -> AllowList:
+        return AllowList.parse(self.allowed_targets)

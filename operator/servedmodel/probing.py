@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import heapq
 import logging
 import random
@@ -34,13 +35,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar, cast
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from . import scaling
+from . import access, scaling
 from .api import API_GROUP_VERSION, PLURAL
 from .api.base import Key, Obj
 from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, SERVING
@@ -86,6 +87,42 @@ IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from th
 
 
 Enqueue = Callable[[str, str], object]
+
+
+API_KEY_FIELD: Final = "spec.engine.apiKeySecretRef"
+ScrubT = TypeVar("ScrubT")
+
+
+def _scrub(value: ScrubT, secrets: frozenset[str]) -> ScrubT:
+    """`value` with every string inside it (dataclasses, pydantic models, lists, dicts, a ProbeFailure)
+    redacted of `secrets` (servedmodel.access.redact); frozen dataclasses are copied, others changed."""
+    out: Any
+    if isinstance(value, str):
+        out = access.redact(value, secrets)
+    elif isinstance(value, ProbeFailure):
+        out = ProbeFailure(value.reason, access.redact(value.message, secrets))
+    elif isinstance(value, BaseModel):
+        out = value.model_copy(
+            update={k: _scrub(getattr(value, k), secrets) for k in type(value).model_fields}
+        )
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _scrub(getattr(value, f.name), secrets) for f in dataclasses.fields(value)}
+        if getattr(getattr(value, "__dataclass_params__", None), "frozen", False):
+            init = {f.name for f in dataclasses.fields(value) if f.init}
+            out = dataclasses.replace(value, **{k: v for k, v in changes.items() if k in init})
+        else:
+            for k, v in changes.items():
+                setattr(value, k, v)
+            out = value
+    elif isinstance(value, list):
+        out = [_scrub(v, secrets) for v in value]
+    elif isinstance(value, tuple):
+        out = tuple(_scrub(v, secrets) for v in value)
+    elif isinstance(value, dict):
+        out = {_scrub(k, secrets): _scrub(v, secrets) for k, v in value.items()}
+    else:
+        out = value
+    return cast(ScrubT, out)
 
 
 class _KeyRef(Protocol):
@@ -396,6 +433,8 @@ class ProbeScheduler:
     # Prometheus sources with insecureSkipVerify: one client for all of them, closed with the pool.
     _insecure_http: httpx.AsyncClient | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
+    # Secret values a running cycle sends, per ServedModel: scrubbed from its outcome (`_redacted`).
+    _in_use: dict[Key, set[str]] = field(default_factory=dict, init=False)
     _synced: float = field(default=float("-inf"), init=False)
     # Tracked but not yet given a first due time: the loop places only these (it wakes at every
     # cycle's end, and walking every model each time grew with the fleet).
@@ -725,21 +764,25 @@ class ProbeScheduler:
         self, model: _Model, spec: ServedModelSpec, targets: list[_PodTarget]
     ) -> list[PodResult]:
         """Probe the pods concurrently, each with its own /metrics; verdicts from this and the last cycle."""
-        namespace, _ = model.key
+        namespace, name = model.key
         served = spec.resolved_served_model_name
         async with self._client(spec.probe) as http:
             try:
                 api_key = None
                 if spec.engine.api_key_secret_ref is not None:
-                    api_key = await self._secret_value(namespace, spec.engine.api_key_secret_ref)
+                    api_key = await self._secret_value(
+                        namespace, name, spec.engine.api_key_secret_ref, API_KEY_FIELD
+                    )
+                    self._in_use.setdefault((namespace, name), set()).add(api_key)
                 prometheus = None
                 if spec.probe.metrics_source.type == "prometheus":
                     # Prometheus answers for the whole ServedModel, not per pod: read once, around the
                     # first pod's probe (the others have no server figures then).
                     prometheus = await self._metrics_reader(
-                        http, namespace, spec, resolve_override(targets[0].url)
+                        http, namespace, name, spec, resolve_override(targets[0].url)
                     )
             except ProbeFailure as f:
+                self._in_use.pop((namespace, name), None)
                 now = datetime.now(UTC)
                 return [
                     PodResult(t.name, t.url, ProbeOutcome(endpoint=t.url, started=now, ended=now, failure=f))
@@ -757,6 +800,7 @@ class ProbeScheduler:
                 )
 
             outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
+        outcomes = self._redacted(namespace, name, *outcomes)
         mono = self.clock()
         results: list[PodResult] = []
         for t, out in zip(targets, outcomes, strict=True):
@@ -913,37 +957,70 @@ class ProbeScheduler:
             self.enqueue(namespace, name)
         return result
 
-    async def _secret_value(self, namespace: str, ref: _KeyRef) -> str:
-        """A Secret key's value; the message of the failure never contains the value."""
+    async def _secret_value(self, namespace: str, name: str, ref: _KeyRef, field: str) -> str:
+        """A Secret key's value for ServedModel `name`, only where the Secret's owner allowed that
+        (servedmodel.access.secret_refusal: the inference.servedmodel.io/allowed-servedmodels annotation);
+        a refusal is a ProbeFailure naming the Secret and `field`. No message ever holds the value."""
         try:
             secret = await self.kube.get("v1", "secrets", namespace, ref.name)
         except ApiError as exc:
             raise ProbeFailure(
-                errors.SECRET_UNAVAILABLE, f"Secret {ref.name}: {exc.status} {exc.reason}"
+                errors.SECRET_UNAVAILABLE, f"Secret {ref.name} ({field}): {exc.status} {exc.reason}"
             ) from None
-        data = (secret or {}).get("data") or {}
+        if secret is None:
+            raise ProbeFailure(errors.SECRET_UNAVAILABLE, f"Secret {ref.name} ({field}) not found")
+        refusal = access.secret_refusal(secret, name, field)
+        if refusal is not None:
+            raise ProbeFailure(refusal.reason, refusal.message)
+        data = secret.get("data") or {}
         if ref.key not in data:
             raise ProbeFailure(errors.SECRET_UNAVAILABLE, f"Secret {ref.name} has no key {ref.key}")
-        return base64.b64decode(data[ref.key]).decode("utf-8").strip()
+        try:
+            return base64.b64decode(data[ref.key]).decode("utf-8").strip()
+        except (ValueError, UnicodeDecodeError):
+            raise ProbeFailure(
+                errors.SECRET_UNAVAILABLE, f"Secret {ref.name} key {ref.key} is not UTF-8 text"
+            ) from None
 
     def _target(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeTarget:
-        """External mode's target (managed models are probed pod by pod: `_plan`)."""
+        """External mode's target (managed models are probed pod by pod: `_plan`). spec.endpoint must pass
+        the operator's allow-list (servedmodel.access.target_refusal); the admin's override is trusted."""
         override = parse_override(self.config.endpoint_override, namespace, name)
         if override is not None:
             return resolve_override(override)
         assert spec.endpoint is not None  # run_cycle sends only external models here
+        refusal = access.target_refusal(
+            spec.endpoint, self.config.target_allow_list, "spec.endpoint", base_path_only=True
+        )
+        if refusal is not None:
+            raise ProbeFailure(refusal.reason, refusal.message)
         return resolve_external(spec.endpoint)
 
     async def _metrics_reader(
-        self, http: httpx.AsyncClient, namespace: str, spec: ServedModelSpec, target: ProbeTarget
+        self, http: httpx.AsyncClient, namespace: str, name: str, spec: ServedModelSpec, target: ProbeTarget
     ) -> MetricsReader:
         src = spec.probe.metrics_source
         model = spec.resolved_served_model_name
         if src.type == "prometheus" and src.prometheus is not None:
             prom = src.prometheus
+            field = "spec.probe.metricsSource.prometheus"
+            refusal = access.target_refusal(
+                prom.url, self.config.target_allow_list, f"{field}.url", base_path_only=False
+            )
+            if refusal is not None:
+                raise ProbeFailure(refusal.reason, refusal.message)
+            if prom.insecure_skip_verify and not self.config.allow_insecure_tls:
+                raise ProbeFailure(
+                    access.INSECURE_TLS_NOT_ALLOWED,
+                    f"{field}.insecureSkipVerify is true, but the operator verifies TLS for every "
+                    "ServedModel (a cluster admin may allow skipping it: SERVEDMODEL_ALLOW_INSECURE_TLS)",
+                )
             token = None
             if prom.bearer_token_secret_ref is not None:
-                token = await self._secret_value(namespace, prom.bearer_token_secret_ref)
+                token = await self._secret_value(
+                    namespace, name, prom.bearer_token_secret_ref, f"{field}.bearerTokenSecretRef"
+                )
+                self._in_use.setdefault((namespace, name), set()).add(token)
             return PrometheusMetrics(
                 self._prometheus_http(http, insecure=prom.insecure_skip_verify),
                 prom.url,
@@ -954,6 +1031,14 @@ class ProbeScheduler:
             )
         return PodMetrics(http, target.metrics_urls, model)
 
+    def _redacted(self, namespace: str, name: str, *outs: ProbeOutcome) -> list[ProbeOutcome]:
+        """The outcomes without any Secret value this model's cycle sent (an engine may echo the API key
+        in an error body, a model id or its content): status, Events and the log are all made from them."""
+        secrets = self._in_use.pop((namespace, name), set())
+        if not secrets:
+            return list(outs)
+        return [_scrub(out, frozenset(secrets)) for out in outs]
+
     async def probe_once(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeOutcome:
         """One external-mode cycle's measurements; secret failures are outcomes too."""
         async with self._client(spec.probe) as http:
@@ -961,12 +1046,16 @@ class ProbeScheduler:
                 target = self._target(namespace, name, spec)
                 api_key = None
                 if spec.engine.api_key_secret_ref is not None:
-                    api_key = await self._secret_value(namespace, spec.engine.api_key_secret_ref)
-                metrics = await self._metrics_reader(http, namespace, spec, target)
+                    api_key = await self._secret_value(
+                        namespace, name, spec.engine.api_key_secret_ref, API_KEY_FIELD
+                    )
+                    self._in_use.setdefault((namespace, name), set()).add(api_key)
+                metrics = await self._metrics_reader(http, namespace, name, spec, target)
             except ProbeFailure as f:
+                self._in_use.pop((namespace, name), None)
                 now = datetime.now(UTC)
                 return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
-            return await run_probe(
+            out = await run_probe(
                 http,
                 target,
                 spec.probe,
@@ -974,6 +1063,8 @@ class ProbeScheduler:
                 api_key=api_key,
                 metrics=metrics,
             )
+            [out] = self._redacted(namespace, name, out)
+            return out
 
 
 class _Shared(httpx.AsyncBaseTransport):

@@ -25,6 +25,7 @@ from cluster_support import ProbingOperator, apply, condition, served_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
+from servedmodel.access import ALLOW_ANNOTATION
 from servedmodel.sim.process import SimulatorProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
@@ -250,6 +251,7 @@ def test_api_key_from_secret_is_sent_never_written(
     with SimulatorProcess(args, ready_timeout=60) as sim:
         operator = probing.start("keyed", sim.base_url)
         cp.kubectl("create", "secret", "generic", "engine-key", "-n", namespace, f"--from-literal=key={key}")
+        cp.kubectl("annotate", "secret", "engine-key", "-n", namespace, f"{ALLOW_ANNOTATION}=keyed")
         manifest = served_model(
             "keyed",
             endpoint=sim.base_url,
@@ -288,6 +290,7 @@ def test_prometheus_source_with_bearer_token(
             prom.wait_ready()
             probing.start("prom", sim.base_url)
             cp.kubectl("create", "secret", "generic", "thanos", "-n", namespace, "--from-literal=token=t0ken")
+            cp.kubectl("annotate", "secret", "thanos", "-n", namespace, f"{ALLOW_ANNOTATION}=prom")
             source = {
                 "type": "prometheus",
                 "prometheus": {

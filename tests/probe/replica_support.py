@@ -17,6 +17,8 @@ from servedmodel.k8s import NotFoundError
 from servedmodel.k8s.cache import Cache
 from servedmodel.probing import ProbeMetrics, ProbeScheduler
 
+LOOPBACK_TARGETS = "*.svc,*.svc.cluster.local,127.0.0.1"
+
 
 def pod(name: str, ip: str) -> dict[str, Any]:
     return {
@@ -137,6 +139,8 @@ def scheduler(
     SERVEDMODEL_ENDPOINT_OVERRIDE, `config` OperatorConfig's other fields."""
     if override is not None:
         config["endpoint_override"] = override
+    # The tests' engines listen on loopback: the operator's allow-list must name it (servedmodel.access).
+    config.setdefault("allowed_targets", LOOPBACK_TARGETS)
     return ProbeScheduler(
         kube=cluster,
         config=OperatorConfig(**config),

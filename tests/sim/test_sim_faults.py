@@ -29,7 +29,8 @@ def test_error_rate_and_status(faults: SimulatorProcess) -> None:
 
 def test_stall_after_tokens_keeps_connection_silent(faults: SimulatorProcess) -> None:
     set_faults(faults, stall_after_tokens=2)
-    timeout = httpx.Timeout(10.0, read=1.0)
+    # Tokens come every 2 ms; 3 s of silence is the stall, not a busy machine's late token.
+    timeout = httpx.Timeout(10.0, read=3.0)
     received: list[str] = []
     with (
         httpx.Client(timeout=timeout) as h,

@@ -134,7 +134,12 @@ def set_secret(cp: controlplane.ControlPlane, namespace: str, value: str) -> Non
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": "engine-key", "namespace": namespace},
+        # The owner's opt-in (servedmodel.access): every ServedModel of this test namespace may use it.
+        "metadata": {
+            "name": "engine-key",
+            "namespace": namespace,
+            "annotations": {"inference.servedmodel.io/allowed-servedmodels": "*"},
+        },
         "data": {"key": base64.b64encode(value.encode()).decode()},
     }
     cp.kubectl("apply", "-f", "-", input=json.dumps(secret))

@@ -25,6 +25,9 @@ DEFAULT_PROBE_STOP = ["five"]
 # The pod condition of the readiness gate (spec.probe.readinessGate): set by the operator on each pod.
 READINESS_GATE_CONDITION = "inference.servedmodel.io/serving"
 
+# http(s)://host[:port][/path]: no credentials, query or fragment (servedmodel.access repeats it).
+PROMETHEUS_URL_PATTERN = r"^https?://[^\s/?#@]+(/[^\s?#]*)?$"
+
 CheckResultValue = Literal["Pass", "Fail", "Skipped"]
 ProbeResultValue = Literal["Success", "Failure"]
 
@@ -49,14 +52,24 @@ class PrometheusSource(ApiModel):
     url: str = Field(
         min_length=1,
         max_length=2048,
-        description="Base URL of the Prometheus HTTP API, e.g. https://thanos-querier.openshift-monitoring.svc:9091.",
+        pattern=PROMETHEUS_URL_PATTERN,
+        description=(
+            "Base URL of the Prometheus HTTP API, e.g. https://thanos-querier.openshift-monitoring.svc:9091 "
+            "(no credentials, query or fragment). Its host must be in the operator's allow-list "
+            "(SERVEDMODEL_ALLOWED_TARGETS), or the probe refuses it (TargetNotAllowed)."
+        ),
     )
     bearer_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="Secret key holding a bearer token (Authorization: Bearer); never logged or written.",
     )
     insecure_skip_verify: bool = Field(
-        default=False, description="Skip TLS certificate verification of the Prometheus URL."
+        default=False,
+        description=(
+            "Skip TLS certificate verification of the Prometheus URL. Honoured only where the cluster admin "
+            "allows it (SERVEDMODEL_ALLOW_INSECURE_TLS); otherwise the probe refuses the source "
+            "(InsecureTLSNotAllowed)."
+        ),
     )
 
 
@@ -411,7 +424,7 @@ class ProbeStatus(ApiModel):
     )
     pods: list[PodProbe] | None = Field(
         default=None,
-        max_length=256,
+        max_length=1024,  # spec.replicas' maximum: a shorter list made every probe write of a larger model 422
         description=(
             "Each engine pod's own probe, by name (managed mode). The top-level figures are the aggregate "
             "over the pods probed in the last cycle: client latencies the median of the serving pods, "

@@ -33,7 +33,10 @@ MODEL_PATTERN = (
     r"^(([A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*"
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9_.][A-Za-z0-9_./-]*)?)$"
 )
-URL_PATTERN = r"^https?://[^\s/?#]+(:[0-9]+)?(/[^\s]*)?$"
+# An OpenAI-compatible server's base URL: scheme, host[:port], and at most /v1 (the probe appends the
+# routes it calls). No credentials, path, query or fragment of the author's choosing: the operator sends
+# the API key there (servedmodel.access repeats the rule, with the host allow-list, at probe time).
+URL_PATTERN = r"^https?://[^\s/?#@]+(/|/v1/?)?$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
@@ -542,8 +545,10 @@ class ServedModelSpec(ApiModel):
         max_length=2048,
         pattern=URL_PATTERN,
         description=(
-            "Base URL of an existing OpenAI-compatible server (e.g. http://qwen.ai.svc:8000). When set, the "
-            "operator deploys nothing and only probes it (external mode)."
+            "Base URL of an existing OpenAI-compatible server (e.g. http://qwen.ai.svc:8000; a path only "
+            "/v1, no query). When set, the operator deploys nothing and only probes it (external mode). Its "
+            "host must be in the operator's allow-list (SERVEDMODEL_ALLOWED_TARGETS; default in-cluster "
+            "Service names), or the probe refuses it (TargetNotAllowed)."
         ),
     )
     engine: EngineSpec = Field(
