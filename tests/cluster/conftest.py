@@ -28,6 +28,7 @@ import controlplane
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
+LOOPBACK_TARGETS = "*.svc,*.svc.cluster.local,127.0.0.1"
 NO_ENGINE = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
 OPERATORS = pytest.StashKey[list["OperatorProcess"]]()
 
@@ -114,6 +115,11 @@ def start_operator(
             "KUBECONFIG": str(control_plane.kubeconfig),
             "SERVEDMODEL_HEALTH_PORT": str(health_port),
             "SERVEDMODEL_METRICS_PORT": str(metrics_port),
+            # The tests' engines listen on loopback: the allow-list must name it (servedmodel.access);
+            # tests that scrape /metrics read it without a token (tests/cluster/test_security.py checks
+            # the authenticated /metrics with the operator's default).
+            "SERVEDMODEL_ALLOWED_TARGETS": LOOPBACK_TARGETS,
+            "SERVEDMODEL_METRICS_AUTH": "false",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

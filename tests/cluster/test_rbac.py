@@ -32,6 +32,7 @@ import yaml
 
 import controlplane
 import olm_tools
+from servedmodel.access import ALLOW_ANNOTATION
 from servedmodel.sim.process import SimulatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -360,6 +361,8 @@ def test_api_key_secret_is_read_only_where_granted(
     api_key = "sk-" + os.urandom(12).hex()
     cp.kubectl("create", "namespace", namespace)
     cp.kubectl("create", "secret", "generic", "engine-key", "-n", namespace, f"--from-literal=key={api_key}")
+    # The Secret's owner allows this ServedModel (servedmodel.access); the RBAC grant is the other half.
+    cp.kubectl("annotate", "secret", "engine-key", "-n", namespace, f"{ALLOW_ANNOTATION}=qwen-keyed")
     sample = yaml.safe_load(SAMPLE.read_text())
     name = "qwen-keyed"
     spec = sample["spec"]
