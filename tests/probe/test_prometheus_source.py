@@ -9,6 +9,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -63,7 +64,8 @@ async def test_real_prometheus_query_and_bad_query(
     prometheus: PrometheusServer, http: httpx.AsyncClient
 ) -> None:
     reader = PrometheusMetrics(http, prometheus.base_url, model="qwen", namespace="probe-ns")
-    assert await reader.query("vector(1)") == [{"metric": {}, "value": [pytest.approx(0, abs=1e12), "1"]}]
+    now = pytest.approx(time.time(), abs=300)  # the evaluation time: Prometheus's now, this machine's clock
+    assert await reader.query("vector(1)") == [{"metric": {}, "value": [now, "1"]}]
     with pytest.raises(errors.ProbeFailure) as failed:
         await reader.query("sum(")
     assert failed.value.reason == errors.UNEXPECTED_STATUS
