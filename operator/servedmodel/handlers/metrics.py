@@ -6,16 +6,27 @@ with `registry=REGISTRY`. Names start with `servedmodel_`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
 import threading
-from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from servedmodel.api.base import Obj
+from servedmodel.config import OperatorConfig
 from servedmodel.controller import Controller
-from servedmodel.k8s import Cache, KubeClient
+from servedmodel.k8s import ApiError, Cache, KubeClient
+
+log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -128,9 +139,147 @@ for _kind in ("apply", "refresh"):
     RECONCILE_DURATION.labels(kind=_kind)
 
 
-def serve(port: int, address: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread] | None:
-    """Start /metrics on a daemon thread; None when port is 0 (off). Stop with `server.shutdown()`."""
+class MetricsAuthorizer:
+    """Who may read /metrics, decided by the API server as controller-runtime's
+    `filters.WithAuthenticationAndAuthorization` does: the caller's bearer token through a TokenReview
+    (not authenticated: 401), then a SubjectAccessReview of that user for the non-resource URL (the
+    request's path, verb the lowercased method; not allowed: 403; the ClusterRole
+    servedmodel-metrics-reader grants `get` on /metrics). A failed review is 500.
+
+    Decisions are reused, keyed by a hash of the token (never the token): an allow for `allow_ttl_s`
+    (controller-runtime: 1 min authentication, 5 min authorisation), a 401/403 for `deny_ttl_s`, so a
+    scrape every 30 s costs two API requests a minute at most. The reviews run on the operator's event
+    loop (its one Kubernetes client); the metrics server's thread waits for them up to `timeout_s`."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(
+        self,
+        review: Callable[[Obj], Awaitable[Obj]],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        allow_ttl_s: float = 60.0,
+        deny_ttl_s: float = 10.0,
+        timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.review, self.loop = review, loop
+        self.allow_ttl_s, self.deny_ttl_s, self.timeout_s = (
+            allow_ttl_s,
+            min(deny_ttl_s, allow_ttl_s),
+            timeout_s,
+        )
+        self.clock = clock
+        self._decisions: dict[tuple[str, str, str], tuple[float, int, str]] = {}
+        self.reviews = 0  # API requests made (tests read it: a cached decision makes none)
+
+    async def decide(self, authorization: str | None, verb: str, path: str) -> tuple[int, str]:
+        """(HTTP status, message) for a request with this Authorization header."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return 401, "Unauthorized: a bearer token is required"
+        key = (hashlib.sha256(token.encode()).hexdigest(), verb, path)
+        now = self.clock()
+        cached = self._decisions.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1], cached[2]
+        try:
+            code, message = await self._review(token, verb, path)
+        except ApiError as e:
+            log.warning("/metrics: %s review failed: %s %s", "token or access", e.status, e.reason)
+            return 500, "Authentication or authorization failed"
+        if code != 500:
+            if len(self._decisions) >= self.MAX_ENTRIES:
+                self._decisions = {k: v for k, v in self._decisions.items() if v[0] > now}
+                if len(self._decisions) >= self.MAX_ENTRIES:
+                    self._decisions.clear()
+            ttl = self.allow_ttl_s if code == 200 else self.deny_ttl_s
+            self._decisions[key] = (now + ttl, code, message)
+        return code, message
+
+    async def _review(self, token: str, verb: str, path: str) -> tuple[int, str]:
+        self.reviews += 1
+        tr = await self.review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+        )
+        status = tr.get("status") or {}
+        if not status.get("authenticated"):
+            return 401, "Unauthorized"
+        user = status.get("user") or {}
+        spec: Obj = {
+            "user": user.get("username"),
+            "groups": user.get("groups") or [],
+            "nonResourceAttributes": {"path": path, "verb": verb},
+        }
+        if user.get("uid"):
+            spec["uid"] = user["uid"]
+        if user.get("extra"):
+            spec["extra"] = user["extra"]
+        self.reviews += 1
+        sar = await self.review(
+            {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec}
+        )
+        if (sar.get("status") or {}).get("allowed"):
+            return 200, "ok"
+        return 403, f"Authorization denied for user {user.get('username')}"
+
+    def decide_blocking(self, authorization: str | None, verb: str, path: str) -> tuple[int, str]:
+        """`decide` from another thread (the metrics server's), bounded by timeout_s."""
+        future = asyncio.run_coroutine_threadsafe(self.decide(authorization, verb, path), self.loop)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return 500, "Authentication or authorization timed out"
+
+
+def authorizer(config: OperatorConfig, client: KubeClient) -> MetricsAuthorizer | None:
+    """The /metrics authorizer the config asks for (None: SERVEDMODEL_METRICS_AUTH=false, local dev);
+    call it on the operator's event loop."""
+    if not config.metrics_auth:
+        return None
+    return MetricsAuthorizer(
+        client.create_review, asyncio.get_running_loop(), allow_ttl_s=config.metrics_auth_cache_seconds
+    )
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+def metrics_app(auth: MetricsAuthorizer | None) -> Callable[..., Any]:
+    """prometheus_client's WSGI app of REGISTRY, behind `auth` when there is one."""
+    inner = make_wsgi_app(REGISTRY)
+    if auth is None:
+        return inner
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        verb = str(environ.get("REQUEST_METHOD") or "GET").lower()
+        path = str(environ.get("PATH_INFO") or "/")
+        code, message = auth.decide_blocking(environ.get("HTTP_AUTHORIZATION"), verb, path)
+        if code != 200:
+            body = f"{message}\n".encode()
+            reason = {401: "Unauthorized", 403: "Forbidden"}.get(code, "Internal Server Error")
+            headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+            if code == 401:
+                headers.append(("WWW-Authenticate", 'Bearer realm="servedmodel-operator"'))
+            start_response(f"{code} {reason}", headers)
+            return [body]
+        return inner(environ, start_response)
+
+    return app
+
+
+def serve(
+    port: int, address: str = "0.0.0.0", auth: MetricsAuthorizer | None = None
+) -> tuple[WSGIServer, threading.Thread] | None:
+    """Start /metrics on a daemon thread (behind `auth` unless None); None when port is 0 (off). Stop
+    with `server.shutdown()`."""
     if not port:
         return None
-    server, thread = start_http_server(port, addr=address, registry=REGISTRY)
+    server = make_server(address, port, metrics_app(auth), ThreadingWSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return server, thread

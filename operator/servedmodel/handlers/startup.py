@@ -149,7 +149,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     )
     metrics.watch_loop(client, cache, controller)
     bind = getattr(memo, "bind_address", "0.0.0.0")
-    memo.metrics_server = metrics.serve(config.metrics_port, bind)
+    memo.metrics_server = metrics.serve(config.metrics_port, bind, metrics.authorizer(config, client))
 
     async def start_workers() -> None:
         await asyncio.sleep(STARTUP_DELAY_S)

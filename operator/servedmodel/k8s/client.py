@@ -113,6 +113,15 @@ KNOWN_RESOURCES: Final = (
 )
 
 
+# Reviews the operator asks of the API server (its /metrics: TokenReview, then SubjectAccessReview).
+REVIEW_RESOURCES: Final = {
+    "TokenReview": Resource("authentication.k8s.io/v1", "TokenReview", "tokenreviews", namespaced=False),
+    "SubjectAccessReview": Resource(
+        "authorization.k8s.io/v1", "SubjectAccessReview", "subjectaccessreviews", namespaced=False
+    ),
+}
+
+
 @functools.cache
 def _lightkube_class(r: Resource) -> Any:
     """lightkube's generic (dict-backed) resource class for `r`: objects stay the API's JSON, decoded
@@ -517,6 +526,17 @@ class KubeClient:
         except NotFoundError:
             return False
         return True
+
+    async def create_review(self, review: Obj) -> Obj:
+        """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
+        and return the API server's answer, its `status` filled in. The caller keeps tokens out of logs."""
+        r = REVIEW_RESOURCES[review["kind"]]
+        obj = _lightkube_class(r)(review)
+
+        async def call() -> Any:
+            return await self._lk.create(obj)
+
+        return _to_dict(await self._call(f"POST {r.kind}", call))
 
     async def create_event(
         self,
