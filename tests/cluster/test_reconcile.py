@@ -389,9 +389,24 @@ def test_operator_restart_is_a_noop(
     operator.stop()
 
     second = start_operator(namespaces=[namespace])
-    # The first listing enqueues the ServedModel: the pass finds children and status current.
-    wait_for("the first pass", lambda: metric(second, "servedmodel_controller_reconciles_total") >= 1)
+    # The first listings (the ServedModel, then its children) enqueue it; counted, not timed: wait until
+    # the restarted operator has reconciled, has nothing queued or in process, and two reads in a row
+    # see the same number of reconciles, so a write that a later pass would make cannot be missed by
+    # looking too early. The passes then found children and status current.
+    seen: list[float] = []
+
+    def settled() -> bool:
+        reconciles = metric(second, "servedmodel_controller_reconciles_total")
+        busy = sum(
+            cluster_support.metric_sum(second, "servedmodel_workqueue_depth", state=state)
+            for state in ("queued", "in_process")
+        )
+        seen.append(reconciles)
+        return reconciles >= 1 and busy == 0 and seen[-2:] == [reconciles, reconciles]
+
+    cluster_support.wait_for("the restarted operator's passes done", settled, WAIT_S, interval=1.0)
     after = sm(cp, namespace, "qwen")
+    assert metric(second, "servedmodel_controller_failures_total") == 0
     assert metric(second, "servedmodel_status_writes_total") == 0
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
     # The old kopf finalizer is gone, and nothing put a new one there.

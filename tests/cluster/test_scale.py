@@ -14,17 +14,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster_support import metric_sum, wait_for
+from cluster_support import metric_sum
 
 import controlplane
 
 # The `operator` fixture's OperatorProcess (tests/cluster/conftest.py; conftests are not importable).
 OperatorProcess = Any
 
-pytestmark = pytest.mark.cluster
+# No bound on how long SCALE_N take on shared cores: the wait fails when they stop becoming Ready
+# (STALL_S), and pytest's own limit is raised to match.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 
 SCALE_N = int(os.environ.get("SERVEDMODEL_SCALE_N", "200"))
 IDLE_S = 15.0  # an idle window to count requests in, not a bound on anything
+# No ServedModel became Ready for this long: the loop is stuck, not slow (docs/benchmarks.md: 1,000 all
+# Ready in 137 s on 2 cores, several a second).
+STALL_S = 120.0
 
 
 def body(name: str) -> dict[str, Any]:
@@ -46,6 +51,29 @@ def phases(cp: controlplane.ControlPlane, namespace: str) -> dict[str, str]:
     return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in json.loads(out)["items"]}
 
 
+def wait_while_progressing(
+    cp: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
+) -> list[int]:
+    """Poll until all SCALE_N are Ready; fail when the Ready count has not grown for STALL_S. Returns the
+    Ready counts seen, in order (for a failure's message)."""
+    counts: list[int] = []
+    grew_at = time.monotonic()
+    while True:
+        seen = phases(cp, namespace)
+        ready = sum(p == "Ready" for p in seen.values())
+        if counts and ready > max(counts):
+            grew_at = time.monotonic()
+        counts.append(ready)
+        if len(seen) == SCALE_N and ready == SCALE_N:
+            return counts
+        if time.monotonic() - grew_at > STALL_S:
+            pytest.fail(
+                f"{ready} of {SCALE_N} ServedModels Ready and none more for {STALL_S:.0f} s "
+                f"(counts seen: {counts[-10:]}):\n{operator.log(40)}"
+            )
+        time.sleep(2.0)
+
+
 def test_hundreds_become_ready_and_idle_traffic_stays_flat(
     control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
 ) -> None:
@@ -54,13 +82,7 @@ def test_hundreds_become_ready_and_idle_traffic_stays_flat(
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: cp.request("POST", path, body(f"m{i:03d}")), range(SCALE_N)))
 
-    def all_ready() -> bool:
-        seen = phases(cp, namespace)
-        return len(seen) == SCALE_N and all(p == "Ready" for p in seen.values())
-
-    wait_for(
-        f"{SCALE_N} ServedModels Ready", all_ready, timeout=240, interval=2.0, detail=lambda: operator.log(40)
-    )
+    wait_while_progressing(cp, namespace, operator)
     busy_requests = metric_sum(operator, "servedmodel_kube_api_requests")
     busy_writes = metric_sum(operator, "servedmodel_status_writes_total")
     applied = metric_sum(operator, "servedmodel_reconcile_total", result="applied")
