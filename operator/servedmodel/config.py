@@ -143,3 +143,42 @@ class OperatorConfig(BaseSettings):
     @property
     def target_allow_list(self) -> AllowList:
         return AllowList.parse(self.allowed_targets)
+
+    # Watches and leader election (k8s/informer.py, k8s/leader.py, docs/operations.md).
+    relist_interval: float = Field(
+        default=1800.0,
+        ge=0,
+        description=(
+            "Seconds between full relists of every watched kind (jittered), the backstop behind the watches; "
+            "a 410 relists at once whatever this says; 0 = only on 410."
+        ),
+    )
+    leader_election: bool = Field(
+        default=True,
+        description=(
+            "Elect one leader among the operator's replicas on a coordination.k8s.io Lease: only the leader "
+            "reconciles and probes; followers keep their caches warm."
+        ),
+    )
+    leader_election_namespace: str | None = Field(
+        default=None,
+        description="Namespace of the Lease; default: the operator's own (in-cluster) or the kubeconfig's.",
+    )
+    leader_election_id: str | None = Field(
+        default=None,
+        description=(
+            "Name of the Lease; default servedmodel-operator, suffixed with a hash of the watched namespaces "
+            "when the operator watches only some (operators over different namespaces do not compete)."
+        ),
+    )
+    lease_duration: float = Field(
+        default=15.0,
+        gt=0,
+        description="Seconds a follower waits on a Lease that is not renewed (client-go's 15).",
+    )
+    renew_deadline: float = Field(
+        default=10.0, gt=0, description="Seconds the leader keeps trying to renew before it stops leading."
+    )
+    retry_period: float = Field(
+        default=2.0, gt=0, description="Seconds between tries to take or renew the Lease."
+    )

@@ -2,9 +2,11 @@
 of workers, with per-key exponential backoff and a slow safety resync — client-go's workqueue and
 controller-runtime's controller, in asyncio.
 
-Who enqueues (``controller.enqueue(namespace, name)``): the kopf event handlers (a ServedModel or one of
-its children changed in the watch-fed cache), the probe scheduler (Serving changed), autoscaling, the
-resync, and the controller itself (retries, ``Result.requeue_after``). Nothing else runs a reconcile.
+Who enqueues (``controller.enqueue(namespace, name)``): the informers' handlers (watches.py: a
+ServedModel or one of its children changed in the watch-fed cache), the probe scheduler (Serving
+changed), the resync, the controller itself (retries), and a replica that starts leading (every key
+once). Nothing else runs a reconcile. Only the leader runs workers: `start()` after `stop()` begins with
+a fresh queue, which the new term fills.
 
 Queue semantics (as client-go's):
 - a key is queued at most once: enqueueing a key that is already waiting is a no-op;
@@ -41,15 +43,7 @@ log = logging.getLogger(__name__)
 RESYNC_SPREAD_MAX_S: Final = 30.0
 
 
-@dataclass(frozen=True)
-class Result:
-    """What a reconcile asks of the queue: run again after `requeue_after` seconds (None: only when an
-    event, a retry or the resync enqueues it)."""
-
-    requeue_after: float | None = None
-
-
-Reconcile = Callable[[Key], Awaitable[Result | None]]
+Reconcile = Callable[[Key], Awaitable[None]]
 
 
 @dataclass
@@ -76,6 +70,10 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def delayed(self) -> int:
@@ -235,14 +233,12 @@ class Controller:
         """The object is gone: drop its failure count."""
         self.backoff.forget((namespace, name))
 
-    @property
-    def running(self) -> bool:
-        return self._started
-
     async def start(self) -> None:
         if self._started:
             return
         self._started = True
+        if self.queue.closed:
+            self.queue = WorkQueue()
         for i in range(self.workers):
             self._tasks.append(asyncio.create_task(self._worker(), name=f"{self.name}-worker-{i}"))
         if self.resync_interval_s > 0:
@@ -281,7 +277,7 @@ class Controller:
         namespace, name = key
         started = time.monotonic()
         try:
-            result = await self._reconcile(key)
+            await self._reconcile(key)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -305,8 +301,6 @@ class Controller:
             self.stats.reconciles += 1
         self.backoff.forget(key)
         self.log.debug("[%s/%s] reconciled in %.3fs", namespace, name, time.monotonic() - started)
-        if result is not None and result.requeue_after is not None:
-            self.queue.add_after(key, result.requeue_after)
 
     async def _resync(self) -> None:
         rng = random.Random()

@@ -26,7 +26,7 @@ import pydantic
 from . import scaling
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
-from .k8s import ApiError, Cache, KubeClient
+from .k8s import ApiError, Cache, ConflictError, KubeClient
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 
 ROUTE_API: Final = "route.openshift.io/v1"
 APPLY_FAILED: Final = "ApplyFailed"
-# What kopf's timers and daemons made it hold on every ServedModel before the control loop; removed
-# where found (with kopf's old bookkeeping annotations), so deletes never wait on the operator.
-LEGACY_FINALIZER: Final = "inference.servedmodel.io/finalizer"
-LEGACY_ANNOTATION_PREFIX: Final = "inference.servedmodel.io/"
 MONITORING_API: Final = "monitoring.coreos.com/v1"
 # (apiVersion, plural, kind) of every kind of child the operator may have made; optional APIs last.
 CHILD_KINDS: Final = (
@@ -254,9 +250,17 @@ async def prune(
 async def hand_over_replicas(client: KubeClient, namespace: str, name: str, field_manager: str) -> None:
     """Before an apply without spec.replicas: keep the live value owned (see servedmodel.scaling), so
     server-side apply does not reset the Deployment to 1 replica under the autoscaler."""
-    live = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
-    if live is not None and scaling.needs_handover(live, field_manager):
-        await client.apply(scaling.handover_object(live), scaling.HANDOVER_MANAGER, force=True)
+    for _attempt in range(3):  # a rescale between the read and the write: read the new count again
+        live = await client.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+        if live is None or not scaling.needs_handover(live, field_manager):
+            return
+        try:
+            await client.apply(scaling.handover_object(live), scaling.HANDOVER_MANAGER, force=True)
+            return
+        except ConflictError:
+            continue
+    # Still rescaling: applying without spec.replicas now could reset it to 1; this pass fails and retries.
+    raise ConflictError(409, "Conflict", "Deployment rescaled during the replicas handover three times")
 
 
 async def observe_autoscaler(

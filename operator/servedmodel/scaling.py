@@ -48,12 +48,15 @@ def needs_handover(deployment: Obj | None, field_manager: str) -> bool:
 
 
 def handover_object(deployment: Obj) -> dict[str, Any]:
-    """The apply that keeps spec.replicas at its live value under HANDOVER_MANAGER."""
+    """The apply that keeps spec.replicas at its live value under HANDOVER_MANAGER. It carries the
+    resourceVersion read: if the autoscaler rescaled in between, the API server answers 409 instead of
+    putting the old count back (the pass retries with the new one)."""
     meta = deployment.get("metadata") or {}
+    precondition = {"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), **precondition},
         "spec": {"replicas": int((deployment.get("spec") or {}).get("replicas", 1))},
     }
 

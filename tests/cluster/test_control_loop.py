@@ -1,5 +1,5 @@
-"""The control loop's behaviour against the real API server: the upgrade path from kopf's finalizer,
-a persistent server error on apply (Degraded/ApplyFailed, an Event, backoff instead of a hot loop), and
+"""The control loop's behaviour against the real API server: a persistent server error on apply
+(Degraded/ApplyFailed, an Event, backoff instead of a hot loop), and
 deletion without waiting on the operator. Counted, never timed.
 """
 
@@ -19,8 +19,6 @@ OperatorProcess = Any
 
 pytestmark = pytest.mark.cluster
 
-LEGACY_FINALIZER = "inference.servedmodel.io/finalizer"
-
 
 def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:
     res = cp.kubectl("get", "sm", name, "-n", namespace, "-o", "json", check=False)
@@ -29,34 +27,6 @@ def sm(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, An
 
 def model(name: str, **spec: Any) -> dict[str, Any]:
     return served_model(name, **{"probe": {"enabled": False}, **spec})
-
-
-def test_legacy_kopf_finalizer_and_annotations_are_removed(
-    control_plane: controlplane.ControlPlane, namespace: str, operator: OperatorProcess
-) -> None:
-    cp = control_plane
-    old = model("old")
-    old["metadata"]["finalizers"] = [LEGACY_FINALIZER]
-    old["metadata"]["annotations"] = {
-        "inference.servedmodel.io/last-handled-configuration": '{"spec": {}}',
-        "example.com/keep": "yes",
-    }
-    apply(cp, namespace, old)
-
-    def cleaned() -> Any:
-        obj = sm(cp, namespace, "old")
-        meta = (obj or {}).get("metadata") or {}
-        return obj if LEGACY_FINALIZER not in (meta.get("finalizers") or []) else None
-
-    obj = wait_for("the legacy finalizer removed", cleaned)
-    annotations = obj["metadata"].get("annotations") or {}
-    assert "inference.servedmodel.io/last-handled-configuration" not in annotations
-    assert annotations.get("example.com/keep") == "yes"
-    wait_for(
-        "phase Ready", lambda: (sm(cp, namespace, "old") or {}).get("status", {}).get("phase") == "Ready"
-    )
-    cp.kubectl("delete", "sm", "old", "-n", namespace, "--wait=true", "--timeout=30s")
-    assert sm(cp, namespace, "old") is None
 
 
 def failing_webhook(namespace: str) -> dict[str, Any]:

@@ -194,6 +194,14 @@ def test_handover_object_keeps_the_live_value() -> None:
     }
 
 
+def test_handover_object_is_conditional_on_what_was_read() -> None:
+    """An HPA that rescales between the read and the apply must not be undone: the apply carries the
+    resourceVersion read, so the API server refuses it (409) instead."""
+    live = _dep(["servedmodel-operator"], 5)
+    live["metadata"]["resourceVersion"] = "4711"
+    assert scaling.handover_object(live)["metadata"]["resourceVersion"] == "4711"
+
+
 def _hpa(current: int, desired: int, last: str | None, **conds: tuple[str, str]) -> dict[str, Any]:
     status: dict[str, Any] = {"currentReplicas": current, "desiredReplicas": desired}
     if last:

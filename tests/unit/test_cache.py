@@ -78,3 +78,65 @@ def test_pods_keep_only_what_the_operator_reads() -> None:
     deployment = {**pod("d", "m"), "kind": "Deployment"}
     c.upsert("Deployment", deployment)
     assert c.get("Deployment", "a", "d") == deployment
+
+
+def sm(name: str, uid: str, rv: int, namespace: str = "a") -> dict[str, Any]:
+    return {
+        "kind": "ServedModel",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": str(rv)},
+    }
+
+
+def test_relist_replaces_what_the_cache_holds() -> None:
+    """A relist after a watch gap is the only news of the deletes made in it: what the list lacks goes,
+    and each change comes back as a Delta (the informer enqueues the owners)."""
+    cache = Cache()
+    for i in range(4):
+        cache.apply_event("ServedModel", "ADDED", sm(f"m{i}", f"u{i}", 10 + i))
+    deltas = cache.replace("ServedModel", [sm("m0", "u0", 10), sm("m1", "u1", 20), sm("m9", "u9", 21)], "30")
+    assert cache.keys("ServedModel") == [("a", "m0"), ("a", "m1"), ("a", "m9")]
+    got = sorted((d.type, d.obj["metadata"]["name"]) for d in deltas)
+    assert got == [("ADDED", "m9"), ("DELETED", "m2"), ("DELETED", "m3"), ("MODIFIED", "m1")]
+
+
+def test_relist_keeps_a_write_newer_than_the_list_and_scopes_to_its_namespace() -> None:
+    cache = Cache()
+    cache.upsert("ServedModel", sm("late", "u1", 50))  # written through after the list's snapshot
+    cache.apply_event("ServedModel", "ADDED", sm("other", "u2", 5, namespace="b"))
+    cache.replace("ServedModel", [], "40", namespace="a")
+    assert cache.keys("ServedModel") == [("a", "late"), ("b", "other")]
+    cache.replace("ServedModel", [], "60")
+    assert cache.keys("ServedModel") == []
+
+
+def test_relist_of_a_recreated_name_reports_delete_then_add() -> None:
+    cache = Cache()
+    cache.apply_event("ServedModel", "ADDED", sm("m", "old", 5))
+    deltas = cache.replace("ServedModel", [sm("m", "new", 9)], "10")
+    assert [(d.type, d.obj["metadata"]["uid"]) for d in deltas] == [("DELETED", "old"), ("ADDED", "new")]
+
+
+def test_deleted_compares_uid() -> None:
+    """delete + recreate of one name: the new object's write-through can land before the old DELETED."""
+    cache = Cache()
+    cache.apply_event("ServedModel", "ADDED", sm("m", "old", 5))
+    cache.upsert("ServedModel", sm("m", "new", 8))
+    assert not cache.apply_event("ServedModel", "DELETED", sm("m", "old", 7))
+    assert (cache.get("ServedModel", "a", "m") or {})["metadata"]["uid"] == "new"
+
+
+def test_a_late_write_through_never_resurrects() -> None:
+    cache = Cache()
+    cache.apply_event("ServedModel", "ADDED", sm("m", "u", 5))
+    cache.apply_event("ServedModel", "DELETED", sm("m", "u", 6))
+    assert not cache.upsert("ServedModel", sm("m", "u", 7))  # the status write's answer, arriving late
+    assert cache.get("ServedModel", "a", "m") is None
+    assert cache.upsert("ServedModel", sm("m", "u2", 8))  # a new object of that name is welcome
+
+
+def test_evict_forgets_and_tombstones() -> None:
+    cache = Cache()
+    cache.apply_event("ServedModel", "ADDED", sm("m", "u", 5))
+    assert cache.evict("ServedModel", "a", "m")
+    assert cache.get("ServedModel", "a", "m") is None
+    assert not cache.upsert("ServedModel", sm("m", "u", 9))

@@ -1,10 +1,10 @@
-"""kopf handlers (the only package that imports kopf). Importing it registers every handler with kopf.
+"""kopf glue (the only package that imports kopf). Importing it registers the handlers with kopf.
 
-startup: settings, the shared Kubernetes client and the metrics server (in memo); servedmodel: the
-reconcile handlers; probe: the request-path probe daemon; chat_template: the watched chat template
-ConfigMaps.
+startup: the operator's start and stop (settings, client, cache and informers, controller, leader
+election, health and metrics servers, in memo); servedmodel: `reconcile_key`, what the controller's
+workers run; probe: starting and stopping the probe scheduler; health and metrics: the HTTP endpoints.
 """
 
-from . import chat_template, probe, servedmodel, startup
+from . import probe, servedmodel, startup
 
-__all__ = ["chat_template", "probe", "servedmodel", "startup"]
+__all__ = ["probe", "servedmodel", "startup"]

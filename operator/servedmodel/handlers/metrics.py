@@ -25,6 +25,8 @@ from servedmodel.api.base import Obj
 from servedmodel.config import OperatorConfig
 from servedmodel.controller import Controller
 from servedmodel.k8s import ApiError, Cache, KubeClient
+from servedmodel.k8s.informer import Informers
+from servedmodel.k8s.leader import LeaderElector
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ STATUS_WRITES_TOTAL = Counter(
 KUBE_REQUESTS = Gauge(
     "servedmodel_kube_api_requests",
     "HTTP requests the operator's Kubernetes client has sent to the API server (retries included); "
-    "kopf's watches are not counted (servedmodel_kube_api_requests_by_verb splits this by verb and code).",
+    "watches included (servedmodel_kube_api_requests_by_verb splits this by verb and code).",
     registry=REGISTRY,
 )
 
@@ -60,8 +62,16 @@ KUBE_REQUESTS = Gauge(
 class _LoopCollector(Collector):
     """The control loop's figures, read at scrape time from the objects that keep them."""
 
-    def __init__(self, client: KubeClient, cache: Cache, controller: Controller) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        cache: Cache,
+        controller: Controller,
+        informers: Informers | None = None,
+        elector: LeaderElector | None = None,
+    ) -> None:
         self.client, self.cache, self.controller = client, cache, controller
+        self.informers, self.elector = informers, elector
 
     def collect(self) -> Iterator[Metric]:
         by_verb = CounterMetricFamily(
@@ -116,20 +126,63 @@ class _LoopCollector(Collector):
         objects = GaugeMetricFamily(
             "servedmodel_cache_objects", "Objects in the watch-fed cache.", labels=["kind"]
         )
-        for kind in ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim"):
+        for kind in self.cache.kinds():
             objects.add_metric([kind], self.cache.count(kind))
         yield objects
+        yield from self._watches()
+
+    def _watches(self) -> Iterator[Metric]:
+        if self.informers is not None:
+            synced = GaugeMetricFamily(
+                "servedmodel_informer_synced",
+                "1 once the watch listed its kind into the cache, and while no error is outstanding.",
+                labels=["watch"],
+            )
+            relists = CounterMetricFamily(
+                "servedmodel_informer_relists",
+                "Full lists of the watched kind (start, 410, backstop).",
+                labels=["watch"],
+            )
+            errors = CounterMetricFamily(
+                "servedmodel_informer_errors",
+                "Failed lists and watches (each retried with backoff).",
+                labels=["watch"],
+            )
+            for inf in self.informers.informers:
+                synced.add_metric([inf.name], float(inf.synced.is_set() and inf.last_error is None))
+                relists.add_metric([inf.name], inf.relists)
+                errors.add_metric([inf.name], inf.errors)
+            yield from (synced, relists, errors)
+        leading = self.elector is None or self.elector.leading
+        yield GaugeMetricFamily(
+            "servedmodel_leader",
+            "1 while this replica leads (reconciles and probes), else 0.",
+            float(leading),
+        )
+        if self.elector is not None:
+            yield CounterMetricFamily(
+                "servedmodel_leader_transitions",
+                "Times this replica became the leader.",
+                self.elector.transitions,
+            )
 
 
 _COLLECTOR: list[_LoopCollector] = []
 
 
-def watch_loop(client: KubeClient, cache: Cache, controller: Controller) -> None:
-    """Export the client's, cache's and controller's figures (once per process; a restart replaces them)."""
+def watch_loop(
+    client: KubeClient,
+    cache: Cache,
+    controller: Controller,
+    informers: Informers | None = None,
+    elector: LeaderElector | None = None,
+) -> None:
+    """Export the client's, cache's, controller's, informers' and leader election's figures (once per
+    process; a restart replaces them)."""
     KUBE_REQUESTS.set_function(lambda: client.request_count)
     for old in _COLLECTOR:
         REGISTRY.unregister(old)
-    _COLLECTOR[:] = [_LoopCollector(client, cache, controller)]
+    _COLLECTOR[:] = [_LoopCollector(client, cache, controller, informers, elector)]
     REGISTRY.register(_COLLECTOR[0])
 
 

@@ -1,7 +1,7 @@
-"""Glue of the probe scheduler (servedmodel.probing): startup.py calls `start_scheduler(memo)` once the
-Kubernetes client, the watch-fed cache and the controller are in memo, and `stop_scheduler(memo)` first
-thing in cleanup. The scheduler is one operator-wide task, not a per-object kopf daemon (so kopf holds
-no finalizer for it); it follows the cache's ServedModels itself, so no handler feeds it.
+"""Glue of the probe scheduler (servedmodel.probing): startup.py calls `start_scheduler(memo)` when this
+replica starts leading (the client, the synced cache and the controller are in memo), and
+`stop_scheduler(memo)` when it stops leading and in cleanup. The scheduler is one operator-wide task; it
+follows the cache's ServedModels itself, so no handler feeds it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ async def start_scheduler(memo: Any) -> ProbeScheduler:
 
 
 async def stop_scheduler(memo: Any) -> None:
+    """Stop and drop it: a replica that leads again starts a fresh one (nothing carried over)."""
     scheduler = getattr(memo, "probe_scheduler", None)
     if isinstance(scheduler, ProbeScheduler):
+        memo.probe_scheduler = None
         await scheduler.stop()

@@ -1,7 +1,7 @@
 """`servedmodel run`: start the operator (kopf) against the current kubeconfig or service account.
 
-Standalone (no peering: run one replica), kopf's liveness endpoint on OperatorConfig.health_port
-(GET /healthz), the operator's metrics on OperatorConfig.metrics_port (GET /metrics).
+kopf runs the process; leader election on a Lease picks the one replica that reconciles and probes.
+/healthz and /readyz on OperatorConfig.health_port, the operator's metrics on OperatorConfig.metrics_port.
 """
 
 from __future__ import annotations
@@ -48,13 +48,9 @@ def main(args: argparse.Namespace) -> int:
 
     import servedmodel.handlers  # noqa: F401  (registers the handlers with kopf)
 
-    liveness = f"http://{args.bind_address}:{config.health_port}/healthz" if config.health_port else None
-    memo = kopf.Memo(config=config, bind_address=args.bind_address)
-    kopf.run(
-        standalone=True,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=liveness,
-        memo=memo,
-    )
+    # /healthz and /readyz are the operator's own (handlers/health.py), on config.health_port.
+    memo = kopf.Memo(config=config, bind_address=args.bind_address, namespaces=namespaces)
+    # standalone: kopf's peering is not needed; one leader among the replicas is elected on a Lease
+    # (k8s/leader.py). No kopf watch runs: the informers (k8s/informer.py) feed the cache.
+    kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, memo=memo)
     return 0

@@ -1,47 +1,51 @@
-"""Operator start and stop: kopf settings, one identity for kopf and our client, the watch-fed cache,
-the controller (work queue + workers) and the probe scheduler, all kept in kopf's memo.
+"""Operator start and stop: kopf settings, the client, the watch-fed cache and its informers, the
+controller (work queue + workers), the probe scheduler and leader election, all kept in kopf's memo.
+
+Start-up order (client-go's): informers list and watch into the cache → once every one has synced,
+the replica stands for leader election → as the leader it starts the workers (every cached ServedModel
+enqueued) and the probe scheduler; losing the Lease stops both, and the informers go on (a follower's
+cache stays warm). kopf runs the process (signals, login, start-up and clean-up) and no watch of its own.
 
 memo.config (OperatorConfig), memo.client (servedmodel.k8s.KubeClient), memo.cache (servedmodel.k8s.Cache),
-memo.controller (servedmodel.controller.Controller: ``memo.controller.enqueue(namespace, name)``),
-memo.probe_scheduler (servedmodel.probing.ProbeScheduler, started here through handlers/probe.py).
+memo.informers (servedmodel.k8s.informer.Informers), memo.controller (servedmodel.controller.Controller:
+``memo.controller.enqueue(namespace, name)``), memo.elector (servedmodel.k8s.leader.LeaderElector or
+None), memo.probe_scheduler (servedmodel.probing.ProbeScheduler while this replica leads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import hashlib
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Iterable
 from typing import Any, Final
 
 import kopf
 
-from servedmodel.api import API_GROUP, names
+from servedmodel import watches
 from servedmodel.config import OperatorConfig
 from servedmodel.controller import Controller
 from servedmodel.k8s import Cache, Identity, KubeClient, load_identity
+from servedmodel.k8s.informer import Informer, Informers
+from servedmodel.k8s.leader import LeaderElector
 
-from . import metrics
+from . import health, metrics
 
-# Where kopf kept its bookkeeping before the control loop (annotations under this prefix) and the
-# finalizer it held on every ServedModel for its timers and daemons; the reconciler removes both
-# where it still finds them (reconcile.LEGACY_FINALIZER).
-ANNOTATION_PREFIX: Final = API_GROUP
-# Give kopf's first listings a moment to fill the cache before the first reconciles (a pass that ran
-# before a ServedModel's Deployment arrived would apply it again: harmless, but a wasted request).
-STARTUP_DELAY_S: Final = 2.0
-CHILDREN_SELECTOR: Final = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+LEASE_NAME: Final = "servedmodel-operator"
+SA_NAMESPACE_FILE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
-    """kopf's change detection, switched off: it serves on.create/update handlers and this operator has
-    only on.event ones, yet kopf built the "essence" (two deep copies of the object) on every watch
-    event of every kind, about 7 % of the operator's CPU at 1,000 ServedModels (py-spy). Nothing is
-    stored either: the old last-handled-configuration annotations are removed where found
-    (handlers/servedmodel.remove_legacy_bookkeeping)."""
+    """kopf's change detection, switched off: this operator has no kopf resource handlers (its watches
+    are k8s/informer.py's), so kopf must neither build nor store an "essence" of anything."""
 
     def build(
         self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
-    ) -> kopf.BodyEssence:
+    ) -> kopf.BodyEssence:  # pragma: no cover - kopf calls it only for resource handlers (none left)
         return kopf.BodyEssence()
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
@@ -92,46 +96,58 @@ async def login(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> kopf.Connecti
     )
 
 
+def namespace_filter(namespaces: list[str]) -> tuple[list[str] | None, Any]:
+    """(the namespaces to watch one by one, or None for cluster-wide; a filter for cluster-wide events).
+
+    Exact names: one watch per namespace (a namespaced grant is enough). Globs ("team-*"): cluster-wide
+    watches, filtered here (they need a cluster-wide grant, as kopf's globs needed one)."""
+    if not namespaces:
+        return None, None
+    if any(any(ch in ns for ch in "*?[") for ns in namespaces):
+        return None, lambda ns: any(fnmatch.fnmatchcase(ns, pattern) for pattern in namespaces)
+    return sorted(set(namespaces)), None
+
+
+def lease_name(config: OperatorConfig, namespaces: list[str]) -> str:
+    if config.leader_election_id:
+        return config.leader_election_id
+    if not namespaces:
+        return LEASE_NAME
+    digest = hashlib.sha256(",".join(sorted(set(namespaces))).encode()).hexdigest()[:10]
+    return f"{LEASE_NAME}-{digest}"
+
+
+def lease_namespace(config: OperatorConfig, identity: Identity) -> str:
+    if config.leader_election_namespace:
+        return config.leader_election_namespace
+    if os.environ.get("POD_NAMESPACE"):  # the Deployment's downward API
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or identity.namespace
+    except OSError:
+        return identity.namespace
+
+
+def holder_identity() -> str:
+    """Unique per process: the pod's name (in-cluster) or host, the pid and a random suffix."""
+    base = os.environ.get("POD_NAME") or socket.gethostname()
+    return f"{base}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     config = operator_config(memo)
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = NoDiffBase()
-    # Only event handlers: kopf holds no finalizer and writes no annotations. Events are posted by
-    # the reconciler itself (before the status write that records the transition).
+    # Events are posted by the reconciler itself (before the status write that records the transition).
     settings.posting.enabled = False
-    # Watches: the server closes the stream after server_timeout; a silent stream is abandoned later.
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
-    settings.watching.connect_timeout = 10
-    # Only the operator's children: the child watches are filtered by the API server.
-    for resource in (
-        ("apps", "v1", "deployments"),
-        ("v1", "pods"),
-        ("v1", "services"),
-        ("v1", "persistentvolumeclaims"),
-    ):
-        settings.watching.label_selectors[resource] = CHILDREN_SELECTOR
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
-    # kopf runs one worker task per object with events (handlers of one object in order). No limit on
-    # them (a limit of 64 with workers lingering idle_timeout after their last event let ~13 objects
-    # a second through: the first passes of 1,000 new ServedModels queued behind it), and idle ones go
-    # after 1 s instead of 5: the handlers only touch the cache, so a worker is cheap and short.
-    settings.queueing.worker_limit = None
-    settings.queueing.idle_timeout = 1.0
-    # kopf logs "Handler ... succeeded." per watch event at INFO: thousands of lines a minute with
-    # thousands of objects, none of them news. Its warnings and errors still show (all of it with -v).
-    if not logging.getLogger("kopf").isEnabledFor(logging.DEBUG):
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     client = memo.client = KubeClient(
         _identity(memo), max_inflight=config.max_inflight_requests, read_timeout_s=config.api_timeout
     )
     cache = memo.cache = Cache()
-    kinds = ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim")
-    for kind in (*kinds, "HorizontalPodAutoscaler"):
-        cache.track(kind)
 
     from .servedmodel import reconcile_key  # the reconcile entry point (handlers/servedmodel.py)
 
@@ -147,29 +163,83 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         resync_interval_s=config.resync_interval,
         logger=logging.getLogger("servedmodel.controller"),
     )
-    metrics.watch_loop(client, cache, controller)
+    namespaces: list[str] = list(getattr(memo, "namespaces", None) or [])
+    scopes, keep = namespace_filter(namespaces)
+    routes = watches.handlers(cache, controller)
+    where: list[str | None] = [*scopes] if scopes else [None]
+    informers = memo.informers = Informers(
+        [
+            Informer(
+                client,
+                w,
+                cache,
+                routes[w.kind],
+                namespace=ns,
+                relist_interval_s=config.relist_interval,
+                namespace_filter=keep,
+            )
+            for w in watches.WATCHES
+            for ns in where
+        ]
+    )
+    for w in watches.WATCHES:
+        cache.track(w.kind)
+    informers.start()
+    elector = memo.elector = (
+        LeaderElector(
+            client,
+            lease_namespace(config, client.identity),
+            lease_name(config, namespaces),
+            holder_identity(),
+            lease_duration_s=config.lease_duration,
+            renew_deadline_s=config.renew_deadline,
+            retry_period_s=config.retry_period,
+        )
+        if config.leader_election
+        else None
+    )
+    metrics.watch_loop(client, cache, controller, informers, elector)
     bind = getattr(memo, "bind_address", "0.0.0.0")
     memo.metrics_server = metrics.serve(config.metrics_port, bind, metrics.authorizer(config, client))
+    memo.health_server = await health.serve(
+        bind, config.health_port, informers, lambda: elector is None or elector.leading
+    )
 
-    async def start_workers() -> None:
-        await asyncio.sleep(STARTUP_DELAY_S)
+    from .probe import start_scheduler, stop_scheduler
+
+    async def start_leading() -> None:
         await controller.start()
+        for key in cache.keys("ServedModel"):  # a new leader looks at everything once
+            controller.enqueue(*key)
+        await start_scheduler(memo)
 
-    memo.controller_start = asyncio.create_task(start_workers())
-    # The operator-wide probe scheduler (H5's servedmodel.probing) reads the same cache and enqueues
-    # into the controller when Serving changes.
-    from .probe import start_scheduler
+    async def stop_leading() -> None:
+        await stop_scheduler(memo)
+        await controller.stop()
 
-    await start_scheduler(memo)
+    async def run() -> None:
+        await informers.wait_synced()
+        logger.info("caches synced: %s", ", ".join(f"{k} {cache.count(k)}" for k in cache.kinds()))
+        if elector is None:
+            await start_leading()
+            return
+        await elector.run(start_leading, stop_leading)
+
+    memo.supervisor = asyncio.create_task(run(), name="servedmodel-supervisor")
     logger.info(
-        "servedmodel operator: API %s (%s); %d workers, %d API requests in flight at most, resync %ss; "
-        "metrics on :%s",
+        "servedmodel operator: API %s (%s); %d workers, %d API requests in flight at most, resync %ss, "
+        "relist %ss; %s; metrics on :%s, health on :%s",
         client.server,
         client.identity.source,
         config.workers,
         config.max_inflight_requests,
         config.resync_interval,
+        config.relist_interval,
+        f"leader election on Lease {elector.namespace}/{elector.name} as {elector.identity}"
+        if elector is not None
+        else "no leader election",
         config.metrics_port or "off",
+        config.health_port or "off",
     )
 
 
@@ -177,13 +247,17 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     from .probe import stop_scheduler
 
+    supervisor = getattr(memo, "supervisor", None)
+    if isinstance(supervisor, asyncio.Task):
+        supervisor.cancel()  # stops leading (workers, probe) and releases the Lease
+        await asyncio.gather(supervisor, return_exceptions=True)
     await stop_scheduler(memo)
-    starting = getattr(memo, "controller_start", None)
-    if isinstance(starting, asyncio.Task):
-        starting.cancel()
     controller = getattr(memo, "controller", None)
     if isinstance(controller, Controller):
         await controller.stop()
+    informers = getattr(memo, "informers", None)
+    if isinstance(informers, Informers):
+        await informers.stop()
     client = getattr(memo, "client", None)
     if isinstance(client, KubeClient):
         await client.aclose()
@@ -191,3 +265,6 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     if served is not None:
         server, _thread = served
         await asyncio.to_thread(server.shutdown)
+    runner = getattr(memo, "health_server", None)
+    if runner is not None:
+        await runner.cleanup()

@@ -36,13 +36,27 @@ Ordering: a watch delivers one kind's events in order, but a written-through res
 than an event still in flight. An event or upsert whose `metadata.resourceVersion` is older than the
 stored one (compared as integers, which etcd-backed API servers hand out) is ignored; when either is not
 an integer the newer arrival wins, as in client-go's informers.
+
+Deletes, as client-go's informers keep them (what k8s/informer.py relies on):
+
+- ``replace(kind, objects, resource_version, namespace=None)``: a relist's answer replaces what the
+  cache holds of that kind (in that namespace): what the list lacks is deleted, unless it is newer than
+  the list (a write-through that landed after the list's snapshot). It returns the changes as
+  `Delta`s, so the informer can enqueue the owners of what went away.
+- a DELETED event removes the object only if the uid matches (a delete + recreate of one name can
+  deliver the new object's write-through before the old one's DELETED);
+- deleted uids are remembered (a bounded set of tombstones): a write-through that lands after the
+  DELETED event never re-inserts the object;
+- ``evict(kind, namespace, name)``: a write answered 404 drops the object and tombstones its uid.
 """
 
 from __future__ import annotations
 
 import builtins
 import sys
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from servedmodel.api.base import Key, Obj
@@ -53,11 +67,33 @@ SERVED_MODEL: Final = "ServedModel"
 INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
 LAST_APPLIED: Final = "kubectl.kubernetes.io/last-applied-configuration"
 INTERN_MAX_CHARS: Final = 64  # names, label values, enum-like fields; not messages or templates
+# Deleted uids remembered against late write-throughs; a write lands within seconds of its DELETED
+# event, so this bounds memory (~100 bytes each) far above any burst of deletes.
+TOMBSTONES_MAX: Final = 20_000
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One change a relist made: ADDED (`old` None), MODIFIED or DELETED (`new` None)."""
+
+    type: Literal["ADDED", "MODIFIED", "DELETED"]
+    old: Obj | None
+    new: Obj | None
+
+    @property
+    def obj(self) -> Obj:
+        found = self.new if self.new is not None else self.old
+        assert found is not None
+        return found
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     meta = obj.get("metadata")
     return meta if isinstance(meta, Mapping) else {}
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str(_meta(obj).get("uid") or "")
 
 
 def _rv(obj: Mapping[str, Any]) -> int | None:
@@ -132,6 +168,7 @@ class Cache:
         # kind → (namespace, instance label) → name → object: the same objects, by ServedModel.
         self._by_instance: dict[str, dict[Key, dict[str, Obj]]] = {}
         self._fed: set[str] = set()
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
 
     # ---- writes (watch events, write-through) ----------------------------------------------------
 
@@ -146,14 +183,18 @@ class Cache:
         Returns True when the store changed (a stale event changes nothing)."""
         self.track(kind)
         if event_type == "DELETED":
-            return self.remove(kind, str(_meta(obj).get("namespace") or ""), str(_meta(obj).get("name")))
-        return self.upsert(kind, obj)
+            meta = _meta(obj)
+            return self.remove(kind, str(meta.get("namespace") or ""), str(meta.get("name")), uid=_uid(obj))
+        return self.upsert(kind, obj, written=False)
 
-    def upsert(self, kind: str, obj: Mapping[str, Any]) -> bool:
-        """Store `obj` unless the stored copy is newer; True when stored."""
+    def upsert(self, kind: str, obj: Mapping[str, Any], *, written: bool = True) -> bool:
+        """Store `obj` unless the stored copy is newer; True when stored. `written`: a write's answer
+        (the default for callers), refused when its uid was deleted already."""
         meta = _meta(obj)
         name = meta.get("name")
         if not name:
+            return False
+        if written and _uid(obj) in self._tombstones:
             return False
         namespace = str(meta.get("namespace") or "")
         bucket = self._store.setdefault(kind, {}).setdefault(namespace, {})
@@ -169,14 +210,73 @@ class Cache:
             self._by_instance.setdefault(kind, {}).setdefault((namespace, instance), {})[str(name)] = stored
         return True
 
-    def remove(self, kind: str, namespace: str, name: str) -> bool:
+    def remove(self, kind: str, namespace: str, name: str, *, uid: str = "") -> bool:
+        """Drop the stored object (only if its uid is `uid`, when given) and tombstone its uid."""
+        if uid:
+            self._tombstone(uid)
         bucket = self._store.get(kind, {}).get(namespace)
         if bucket is None or name not in bucket:
             return False
-        self._unindex(kind, namespace, name, bucket.pop(name))
+        if uid and _uid(bucket[name]) not in ("", uid):
+            return False  # the name holds a newer object already
+        old = bucket.pop(name)
+        self._tombstone(_uid(old))
+        self._unindex(kind, namespace, name, old)
         if not bucket:
             del self._store[kind][namespace]
         return True
+
+    def evict(self, kind: str, namespace: str, name: str) -> bool:
+        """A write was answered 404: the object is gone, whatever the watch has said so far."""
+        return self.remove(kind, namespace, name)
+
+    def _tombstone(self, uid: str) -> None:
+        if not uid:
+            return
+        self._tombstones[uid] = None
+        self._tombstones.move_to_end(uid)
+        while len(self._tombstones) > TOMBSTONES_MAX:
+            self._tombstones.popitem(last=False)
+
+    def replace(
+        self,
+        kind: str,
+        objects: Iterable[Mapping[str, Any]],
+        resource_version: str,
+        namespace: str | None = None,
+    ) -> builtins.list[Delta]:
+        """A full list of `kind` (in `namespace`, or all) at `resource_version` replaces what is stored:
+        returns what it added, changed and deleted. An object the list lacks but whose resourceVersion
+        is newer than the list's (written through after the list's snapshot) is kept."""
+        self.track(kind)
+        list_rv = _rv({"metadata": {"resourceVersion": resource_version}})
+        deltas: builtins.list[Delta] = []
+        seen: set[Key] = set()
+        for obj in objects:
+            meta = _meta(obj)
+            key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+            seen.add(key)
+            old = self.get(kind, *key)
+            if old is not None and _uid(old) and _uid(old) != _uid(obj):
+                self.remove(kind, *key)
+                deltas.append(Delta("DELETED", old, None))
+                old = None
+            if old is not None and _meta(old).get("resourceVersion") == meta.get("resourceVersion"):
+                continue
+            if self.upsert(kind, obj, written=False):
+                deltas.append(Delta("ADDED" if old is None else "MODIFIED", old, self.get(kind, *key)))
+        by_ns = self._store.get(kind, {})
+        scopes = [namespace] if namespace is not None else builtins.list(by_ns)
+        for ns in scopes:
+            for name, old in builtins.list(by_ns.get(ns, {}).items()):
+                if (ns, name) in seen:
+                    continue
+                old_rv = _rv(old)
+                if list_rv is not None and old_rv is not None and old_rv > list_rv:
+                    continue
+                self.remove(kind, ns, name)
+                deltas.append(Delta("DELETED", old, None))
+        return deltas
 
     def _unindex(self, kind: str, namespace: str, name: str, obj: Obj) -> None:
         instance = _instance(obj)
@@ -227,6 +327,9 @@ class Cache:
 
     def keys(self, kind: str = SERVED_MODEL) -> builtins.list[Key]:
         return sorted((ns, name) for ns, bucket in self._store.get(kind, {}).items() for name in bucket)
+
+    def kinds(self) -> builtins.list[str]:
+        return sorted(self._fed)
 
     def count(self, kind: str) -> int:
         return sum(len(b) for b in self._store.get(kind, {}).values())

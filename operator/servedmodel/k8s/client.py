@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
@@ -75,6 +76,10 @@ class UnreachableError(ApiError):
     """The API server could not be reached (after retries); status is 0."""
 
 
+class GoneError(ApiError):
+    """410: the resourceVersion a watch asked for is older than the server keeps; list again."""
+
+
 @dataclass(frozen=True)
 class Resource:
     """A kind the operator touches: where it lives and lightkube's class for it."""
@@ -110,6 +115,7 @@ KNOWN_RESOURCES: Final = (
     Resource("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Resource("keda.sh/v1alpha1", "TriggerAuthentication", "triggerauthentications"),
     Resource("inference.servedmodel.io/v1alpha1", "ServedModel", "servedmodels"),
+    Resource("coordination.k8s.io/v1", "Lease", "leases"),
 )
 
 
@@ -181,6 +187,23 @@ def _error(e: Exception) -> ApiError:
         return UnreachableError(0, type(e).__name__, str(e) or type(e).__name__)
     cls = {404: NotFoundError, 409: ConflictError}.get(code, ApiError)
     return cls(code, reason, message)
+
+
+def _status_error(code: int, reason: str, message: str) -> ApiError:
+    cls = {404: NotFoundError, 409: ConflictError, 410: GoneError}.get(code, ApiError)
+    return cls(code, reason, message)
+
+
+def _response_error(response: httpx.Response, body: bytes) -> ApiError:
+    """An error answer (its Status object when the body is one) as an ApiError."""
+    reason, message = response.reason_phrase or "Error", body[:500].decode("utf-8", "replace")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("kind") == "Status":
+        reason, message = str(doc.get("reason") or reason), str(doc.get("message") or message)
+    return _status_error(response.status_code, reason, message)
 
 
 class _AuthTransport(httpx.AsyncBaseTransport):
@@ -271,6 +294,14 @@ class KubeClient:
             trust_env=False,
             transport=self._transport,
         )
+        # Plain HTTP on the same transport (identity, in-flight cap, counts) for what lightkube does not
+        # give: a list's resourceVersion, watches from one, create and replace of plain dicts.
+        self._http = httpx.AsyncClient(
+            base_url=identity.server,
+            transport=self._transport,
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=30.0),
+            trust_env=False,
+        )
         self._by_kind: dict[tuple[str, str], Resource] = {}
         self._by_plural: dict[tuple[str, str], Resource] = {}
         for r in KNOWN_RESOURCES:
@@ -300,6 +331,7 @@ class KubeClient:
         return self._transport.in_flight
 
     async def aclose(self) -> None:
+        await self._http.aclose()
         await self._lk.aclose()
 
     async def __aenter__(self) -> KubeClient:
@@ -436,7 +468,142 @@ class KubeClient:
 
         return await self._call(f"LIST {r.kind} {namespace or '*'}", call)
 
+    @staticmethod
+    def path(r: Resource, namespace: str | None) -> str:
+        """The collection's URL path: /api/v1[/namespaces/NS]/PLURAL or /apis/GROUP/VERSION/…."""
+        base = f"/api/{r.version}" if not r.group else f"/apis/{r.group}/{r.version}"
+        if r.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        return f"{base}/{r.plural}"
+
+    async def list_at(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        page_size: int = 500,
+    ) -> tuple[ObjList, str]:
+        """All matching objects (pages followed) and the list's resourceVersion, to watch from."""
+        r = self.resource(api_version, plural)
+        url = self.path(r, namespace)
+
+        async def call() -> tuple[ObjList, str]:
+            items: ObjList = []
+            cont: str | None = None
+            rv = ""
+            while True:
+                params: dict[str, str | int] = {"limit": page_size}
+                if label_selector:
+                    params["labelSelector"] = label_selector
+                if cont:
+                    params["continue"] = cont
+                response = await self._http.get(url, params=params)
+                if response.status_code != 200:
+                    raise _response_error(response, await response.aread())
+                doc = response.json()
+                meta = doc.get("metadata") or {}
+                kind = r.kind
+                for item in doc.get("items") or []:
+                    item.setdefault("apiVersion", r.api_version)
+                    item.setdefault("kind", kind)
+                    items.append(item)
+                rv = str(meta.get("resourceVersion") or rv)
+                cont = meta.get("continue")
+                if not cont:
+                    return items, rv
+
+        return await self._call(f"LIST {r.kind} {namespace or '*'}", call)
+
+    async def watch(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        resource_version: str | None = None,
+        label_selector: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        """(type, object) of each watch event from `resource_version` until the server ends the watch
+        (timeoutSeconds); a 410 (answer or ERROR event) raises GoneError, other refusals ApiError."""
+        r = self.resource(api_version, plural)
+        params: dict[str, str | int] = {
+            "watch": 1,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": max(1, int(timeout_s)),
+        }
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        if label_selector:
+            params["labelSelector"] = label_selector
+        timeout = httpx.Timeout(connect=5.0, read=timeout_s + 30.0, write=10.0, pool=30.0)
+        try:
+            async with self._http.stream(
+                "GET", self.path(r, namespace), params=params, timeout=timeout
+            ) as response:
+                if response.status_code != 200:
+                    raise _response_error(response, await response.aread())
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    type_, obj = str(event.get("type") or ""), event.get("object") or {}
+                    if type_ == "ERROR":
+                        code = int(obj.get("code") or 0)
+                        raise _status_error(
+                            code, str(obj.get("reason") or "Error"), str(obj.get("message") or "")
+                        )
+                    yield type_, obj
+        except httpx.HTTPError as e:
+            raise _error(e) from None
+
     # ---- writes ----------------------------------------------------------------------------------
+
+    async def create(self, obj: Obj) -> Obj:
+        """POST `obj` (a 409 ConflictError when it exists)."""
+        meta = obj.get("metadata") or {}
+        r = self.resource(obj["apiVersion"], obj["kind"])
+        url = self.path(r, meta.get("namespace"))
+
+        async def call() -> Obj:
+            response = await self._http.post(url, json=obj)
+            if response.status_code not in (200, 201):
+                raise _response_error(response, await response.aread())
+            created: Obj = response.json()
+            return created
+
+        return await self._call(f"POST {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
+
+    async def replace(self, obj: Obj) -> Obj:
+        """PUT `obj`; its metadata.resourceVersion makes it conditional (409 ConflictError when the
+        object changed since)."""
+        meta = obj.get("metadata") or {}
+        r = self.resource(obj["apiVersion"], obj["kind"])
+        url = f"{self.path(r, meta.get('namespace'))}/{meta['name']}"
+
+        async def call() -> Obj:
+            response = await self._http.put(url, json=obj)
+            if response.status_code not in (200, 201):
+                raise _response_error(response, await response.aread())
+            replaced: Obj = response.json()
+            return replaced
+
+        return await self._call(f"PUT {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
+
+    async def create_review(self, review: Obj) -> Obj:
+        """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
+        and return the API server's answer, its `status` filled in. The caller keeps tokens out of logs."""
+        r = REVIEW_RESOURCES[review["kind"]]
+        obj = _lightkube_class(r)(review)
+
+        async def call() -> Any:
+            return await self._lk.create(obj)
+
+        return _to_dict(await self._call(f"POST {r.kind}", call))
+
+    # ---- writes (server-side apply) ----------------------------------------------------------------
 
     async def apply(self, obj: Obj, field_manager: str, force: bool = True) -> Obj:
         """Server-side apply `obj` (apiVersion, kind, metadata.name[, namespace]); returns the result.
@@ -526,17 +693,6 @@ class KubeClient:
         except NotFoundError:
             return False
         return True
-
-    async def create_review(self, review: Obj) -> Obj:
-        """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
-        and return the API server's answer, its `status` filled in. The caller keeps tokens out of logs."""
-        r = REVIEW_RESOURCES[review["kind"]]
-        obj = _lightkube_class(r)(review)
-
-        async def call() -> Any:
-            return await self._lk.create(obj)
-
-        return _to_dict(await self._call(f"POST {r.kind}", call))
 
     async def create_event(
         self,

@@ -1,0 +1,189 @@
+"""Leader election on a coordination.k8s.io/v1 Lease, with client-go's semantics (leaderelection.go).
+
+- A candidate tries every `retry_period_s` (jittered up to 1.2 times) to take the Lease: it may when the
+  Lease does not exist, has no holder (released), or its record has not changed for `lease_duration_s`
+  as measured on the candidate's own clock since it last saw the record change (no clock is compared
+  between machines). The write is a PUT carrying the resourceVersion read: two candidates never both win.
+- The leader renews every `retry_period_s`; if no renewal succeeded for `renew_deadline_s` it stops
+  leading (before the Lease can lapse for the others: renew_deadline < lease_duration).
+- On shutdown the leader releases the Lease (holder "", leaseDurationSeconds 1), so a follower takes over
+  at its next try instead of after a whole lease duration.
+
+`run(on_started, on_stopped)` loops for as long as the process lives: candidate → leader → (lost) →
+candidate. The callbacks start and stop the leader's work (handlers/startup.py: the workers and the
+probe); the informers keep running either way, so a follower's cache is warm when it takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from servedmodel.api.base import Obj
+
+from .client import ApiError, ConflictError, KubeClient
+
+log = logging.getLogger(__name__)
+
+LEASE_API: Final = "coordination.k8s.io/v1"
+JITTER: Final = 1.2
+
+
+def _micro_time(t: datetime | None = None) -> str:
+    """metav1.MicroTime as the API server writes it."""
+    return (t or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class LeaderElector:
+    client: KubeClient
+    namespace: str
+    name: str
+    identity: str
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
+    rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic
+    leading: bool = False
+    transitions: int = 0  # times this process became the leader
+    _observed: tuple[Any, ...] | None = None  # the Lease's last seen record
+    _observed_at: float = 0.0  # when it was last seen to change (our clock)
+    _lease: Obj | None = None
+
+    def __post_init__(self) -> None:
+        if not self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
+            raise ValueError("leader election needs retry period < renew deadline < lease duration")
+
+    async def run(
+        self, on_started: Callable[[], Awaitable[None]], on_stopped: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Candidate, leader, candidate again ...; cancelled: stop leading and release the Lease."""
+        try:
+            while True:
+                await self._acquire()
+                self.leading = True
+                self.transitions += 1
+                log.info("leader election: %s leads (Lease %s/%s)", self.identity, self.namespace, self.name)
+                try:
+                    await on_started()
+                    await self._renew()
+                finally:
+                    self.leading = False
+                    await on_stopped()
+                log.warning(
+                    "leader election: %s lost the Lease %s/%s", self.identity, self.namespace, self.name
+                )
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.release())
+
+    async def _acquire(self) -> None:
+        while not await self.try_acquire_or_renew():  # noqa: ASYNC110 - polling the API is the protocol
+            await asyncio.sleep(self.retry_period_s * self.rng.uniform(1.0, JITTER))
+
+    async def _renew(self) -> None:
+        """Renew until a renewal has not succeeded for renew_deadline_s; then return (leadership lost)."""
+        last_ok = self.clock()
+        while True:
+            await asyncio.sleep(self.retry_period_s)
+            try:
+                ok = await asyncio.wait_for(
+                    self.try_acquire_or_renew(),
+                    timeout=max(0.1, self.renew_deadline_s - (self.clock() - last_ok)),
+                )
+            except TimeoutError:
+                ok = False
+            if ok:
+                last_ok = self.clock()
+            elif self.clock() - last_ok >= self.renew_deadline_s:
+                return
+
+    async def try_acquire_or_renew(self) -> bool:
+        """One try (client-go's tryAcquireOrRenew): True when this process holds the Lease after it."""
+        now = datetime.now(UTC)
+        try:
+            lease = await self.client.get(LEASE_API, "leases", self.namespace, self.name)
+        except ApiError as e:
+            log.debug("leader election: reading the Lease failed: %s", e)
+            return False
+        spec_new = {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": max(1, round(self.lease_duration_s)),
+            "renewTime": _micro_time(now),
+        }
+        if lease is None:
+            body = {
+                "apiVersion": LEASE_API,
+                "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": {**spec_new, "acquireTime": _micro_time(now), "leaseTransitions": 0},
+            }
+            try:
+                self._lease = await self.client.create(body)
+            except ApiError as e:
+                log.debug("leader election: creating the Lease failed: %s", e)
+                return False
+            self._saw(self._lease)
+            return True
+        spec = lease.get("spec") or {}
+        self._saw(lease)
+        holder = spec.get("holderIdentity") or ""
+        if holder and holder != self.identity and not self.leading:
+            duration = float(spec.get("leaseDurationSeconds") or self.lease_duration_s)
+            if self.clock() < self._observed_at + duration:
+                return False  # held, and renewed within its duration as far as we have seen
+        new_spec = dict(spec)
+        new_spec.update(spec_new)
+        if holder != self.identity:
+            new_spec["acquireTime"] = _micro_time(now)
+            new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
+        body = {**lease, "spec": new_spec}
+        try:
+            self._lease = await self.client.replace(body)
+        except ConflictError:
+            return False  # another candidate wrote first
+        except ApiError as e:
+            log.debug("leader election: updating the Lease failed: %s", e)
+            return False
+        self._saw(self._lease)
+        return True
+
+    def _saw(self, lease: Obj) -> None:
+        spec = lease.get("spec") or {}
+        record = (
+            spec.get("holderIdentity"),
+            spec.get("renewTime"),
+            spec.get("acquireTime"),
+            spec.get("leaseTransitions"),
+            spec.get("leaseDurationSeconds"),
+        )
+        if record != self._observed:
+            self._observed, self._observed_at = record, self.clock()
+
+    def holder(self) -> str | None:
+        """Who held the Lease when this process last read it."""
+        holder = (self._observed or (None,))[0]
+        return str(holder) if holder else None
+
+    async def release(self) -> bool:
+        """Give the Lease up if this process holds it (holder "", 1 s): followers take over at once."""
+        lease = self._lease
+        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+            return False
+        spec = dict(lease.get("spec") or {})
+        spec.update({"holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": _micro_time()})
+        try:
+            self._lease = await asyncio.wait_for(self.client.replace({**lease, "spec": spec}), timeout=5.0)
+        except (ApiError, TimeoutError) as e:
+            log.warning("leader election: releasing the Lease failed: %s", e)
+            return False
+        log.info("leader election: %s released the Lease %s/%s", self.identity, self.namespace, self.name)
+        return True

@@ -1,0 +1,101 @@
+"""What the operator watches, and which ServedModel each event enqueues.
+
+Every watch is filtered by the API server (a label selector): ServedModels (all of them), the
+operator's children — Deployments, Pods, Services, PVCs, HPAs, labelled
+``app.kubernetes.io/managed-by=servedmodel-operator`` (KEDA's keda-hpa-<name> carries the ScaledObject's
+labels, so the filter finds it too) — and the chat-template ConfigMaps, labelled
+``inference.servedmodel.io/chat-template``. k8s/informer.py lists and watches each into the cache and
+calls `route` with every change; `route` only decides what to enqueue:
+
+- a ServedModel: when something the reconciler reads changed (generation, labels, annotations,
+  deletion, finalizers, the reconciler's own status fields, the probe's Serving verdict): the probe's
+  other status writes — latencies every cycle, and Serving's message while it is True — reconcile
+  nothing;
+- a child: its owner (controller ownerReference, else the instance label), when that owner is cached:
+  a child event never brings back a ServedModel the cache no longer has;
+- a ConfigMap: every ServedModel of its namespace whose spec.engine.chatTemplate names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from .api import API_GROUP_VERSION, PLURAL, conditions, names
+from .controller import Controller
+from .k8s import Cache
+from .k8s.informer import Handler, Watched
+from .render.chat_template import CHAT_TEMPLATE_LABEL, referencing
+from .status import RECONCILER_FIELDS
+
+SERVED_MODEL: Final = "ServedModel"
+CONFIGMAP: Final = "ConfigMap"
+CHILDREN_SELECTOR: Final = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+
+WATCHES: Final = (
+    Watched(API_GROUP_VERSION, PLURAL, SERVED_MODEL),
+    Watched("apps/v1", "deployments", "Deployment", CHILDREN_SELECTOR),
+    Watched("v1", "pods", "Pod", CHILDREN_SELECTOR),
+    Watched("v1", "services", "Service", CHILDREN_SELECTOR),
+    Watched("v1", "persistentvolumeclaims", "PersistentVolumeClaim", CHILDREN_SELECTOR),
+    Watched("autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", CHILDREN_SELECTOR),
+    Watched("v1", "configmaps", CONFIGMAP, CHAT_TEMPLATE_LABEL),
+)
+
+
+def reconciler_inputs(obj: Mapping[str, Any] | None) -> Any:
+    """What a reconcile of this ServedModel depends on, besides its children."""
+    if obj is None:
+        return None
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    serving = conditions.find(status.get("conditions"), conditions.SERVING) or {}
+    # Serving's message reaches the reconciler's status only when it degrades the phase (status.py's
+    # _degraded_by_probe): while Serving is True it carries the cycle's TTFT and changes every cycle.
+    message_read = serving.get("status") == "False" or serving.get("reason") == conditions.REPLICAS_FAILING
+    return (
+        meta.get("generation"),
+        meta.get("labels"),
+        meta.get("annotations"),
+        meta.get("deletionTimestamp"),
+        meta.get("finalizers"),
+        {k: status.get(k) for k in RECONCILER_FIELDS},
+        [c for c in status.get("conditions") or [] if c.get("type") in conditions.RECONCILER_CONDITIONS],
+        (serving.get("status"), serving.get("reason"), serving.get("message") if message_read else None),
+    )
+
+
+def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def route(kind: str, cache: Cache, controller: Controller) -> Handler:
+    """The informer handler of `kind`: (type, cached before, cached after) → enqueue."""
+    if kind == SERVED_MODEL:
+
+        def served_model(type_: str, old: Any, new: Any) -> None:
+            if new is None:
+                controller.forget(*_key(old))
+            elif old is None or reconciler_inputs(old) != reconciler_inputs(new):
+                controller.enqueue(*_key(new))
+
+        return served_model
+    if kind == CONFIGMAP:
+
+        def configmap(type_: str, old: Any, new: Any) -> None:
+            namespace, name = _key(new if new is not None else old)
+            for served_model in referencing(cache.list(SERVED_MODEL, namespace), namespace, name):
+                controller.enqueue(namespace, served_model)
+
+        return configmap
+
+    def child(type_: str, old: Any, new: Any) -> None:
+        owner = Cache.owner_key(new if new is not None else old)
+        if owner is not None and cache.get(SERVED_MODEL, *owner) is not None:
+            controller.enqueue(*owner)
+
+    return child
+
+
+def handlers(cache: Cache, controller: Controller) -> dict[str, Callable[[str, Any, Any], None]]:
+    return {w.kind: route(w.kind, cache, controller) for w in WATCHES}
