@@ -224,6 +224,9 @@ class ControlPlane:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     remove_dir: bool = True
     startup_s: float = 0.0
+    # Each component's command line, so a fault test can restart one as it was (restart()).
+    args: dict[str, list[str]] = field(default_factory=dict)
+    detach: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -317,8 +320,43 @@ class ControlPlane:
         except FileNotFoundError:
             return "(no log)"
 
+    # ---- faults (tests/cluster/test_faults.py, bench/operator_faults.py) -----------------------------
+
+    def kill(self, component: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one component (SIGKILL: it dies with no chance to clean up) and reap it."""
+        proc = self.procs[component]
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10.0)
+
+    def restart(self, component: str, timeout: float = 60.0) -> None:
+        """Start `component` again with the command line it had (after `kill`); for the API server, wait
+        for its /readyz."""
+        if self.procs[component].poll() is None:
+            raise ControlPlaneError(f"{component} is still running (pid {self.procs[component].pid})")
+        launcher = _Launcher(self.dir, self.bin_dir, self.detach, procs=self.procs)
+        launcher.spawn(component, self.args[component])
+        if component == "kube-apiserver":
+            _wait(
+                "kube-apiserver /readyz",
+                launcher,
+                time.monotonic() + timeout,
+                lambda: self.get_text("/readyz") == "ok",
+            )
+
+    def pause(self, component: str) -> None:
+        """SIGSTOP: the process holds its sockets and answers nothing (a hung etcd, a frozen operator)."""
+        os.kill(self.procs[component].pid, signal.SIGSTOP)
+
+    def resume(self, component: str) -> None:
+        os.kill(self.procs[component].pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0, *, keep_logs: bool = False) -> None:
         """Stop every component this launch started, by pid; idempotent."""
+        for p in self.procs.values():  # a paused component would not hear SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
         procs = [(n, self.procs[n].pid, str(self.bin_dir / n)) for n in STOP_ORDER if n in self.procs]
         kill_processes(procs, timeout)
         for p in self.procs.values():
@@ -456,14 +494,22 @@ def fake_volume(name: str, size: str = "10Ti") -> dict[str, Any]:
 
 
 class _Launcher:
-    def __init__(self, directory: Path, bin_dir: Path, detach: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        bin_dir: Path,
+        detach: bool,
+        procs: dict[str, subprocess.Popen[bytes]] | None = None,
+    ) -> None:
         self.dir = directory
         self.bin_dir = bin_dir
         self.detach = detach
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {} if procs is None else procs
+        self.args: dict[str, list[str]] = {}
         (directory / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, args: Sequence[str]) -> None:
+        self.args[name] = list(args)
         exe = str(self.bin_dir / name)
         with (self.dir / "logs" / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
@@ -512,6 +558,7 @@ def start(
     timeout: float = 120.0,
     detach: bool = False,
     volumes: int = 32,
+    apiserver_flags: Sequence[str] = (),
 ) -> ControlPlane:
     """Start etcd, kube-apiserver, controller-manager, scheduler and kwok; return once the API server is
     ready, the GPU node is Ready and the `default` ServiceAccount exists. On failure everything started
@@ -519,11 +566,19 @@ def start(
 
     directory: where data, certificates, logs, kubeconfig and pids go (default: a new temporary
     directory, removed by stop()). detach: the components outlive this process (for `up`).
-    volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs."""
+    volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs.
+    apiserver_flags: more kube-apiserver flags (a fault test's `--watch-cache=false`, say)."""
     attempts = 3
     for attempt in range(1, attempts + 1):
         try:
-            return _start_once(directory, bin_dir=bin_dir, timeout=timeout, detach=detach, volumes=volumes)
+            return _start_once(
+                directory,
+                bin_dir=bin_dir,
+                timeout=timeout,
+                detach=detach,
+                volumes=volumes,
+                apiserver_flags=apiserver_flags,
+            )
         except _PortTaken as e:
             # A free port found by binding 0 can be taken by another run before the component binds it.
             if attempt == attempts:
@@ -540,7 +595,13 @@ class _PortTaken(ControlPlaneError):
 
 
 def _start_once(
-    directory: Path | None, *, bin_dir: Path | None, timeout: float, detach: bool, volumes: int
+    directory: Path | None,
+    *,
+    bin_dir: Path | None,
+    timeout: float,
+    detach: bool,
+    volumes: int,
+    apiserver_flags: Sequence[str] = (),
 ) -> ControlPlane:
     t0 = time.monotonic()
     bin_dir = bin_dir or default_bin_dir()
@@ -579,6 +640,8 @@ def _start_once(
         ports={"etcd": etcd_port, "etcd-peer": etcd_peer, "kube-apiserver": api_port},
         procs=launcher.procs,
         remove_dir=remove_dir,
+        args=launcher.args,
+        detach=detach,
     )
     if not detach:
         with _LOCK:
@@ -629,6 +692,7 @@ def _start_once(
             "--v=1",
             # Extra flags for experiments/debugging, e.g. "--v=4 --feature-gates=...".
             *os.environ.get("SERVEDMODEL_APISERVER_FLAGS", "").split(),
+            *apiserver_flags,
         ])  # fmt: skip
 
         def api_ready() -> bool:
