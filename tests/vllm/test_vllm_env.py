@@ -67,6 +67,7 @@ def test_missing_environment_skips_locally_and_fails_in_ci(
     probe.parent.mkdir(parents=True)
     # The suite's own conftests, an empty cache: the session server fixture has no environment to use.
     (tmp_path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "tests" / "required.py").symlink_to(ROOT / "tests" / "required.py")
     (tmp_path / "tests" / "vllm" / "conftest.py").write_text(
         Path(__file__).with_name("conftest.py").read_text()
     )
@@ -84,7 +85,12 @@ def test_missing_environment_skips_locally_and_fails_in_ci(
             """
         )
     )
-    env = {**os.environ, "SERVEDMODEL_CACHE": str(tmp_path / "cache"), "SERVEDMODEL_REQUIRE_VLLM": required}
+    env = {
+        **os.environ,
+        "SERVEDMODEL_CACHE": str(tmp_path / "cache"),
+        "SERVEDMODEL_REQUIRE_VLLM": required,
+        "SERVEDMODEL_REQUIRE_CLUSTER": "0",  # what this variable adds is tests/test_required.py's
+    }
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(probe)],
         cwd=tmp_path,
