@@ -44,8 +44,14 @@ SAMPLE_ORDER = [
     "external-endpoint.yaml",
 ]
 # Extra objects OLM installs with the operator (kinds OLM supports in a registry+v1 bundle).
-EXTRA_BASE_FILES = ["service.yaml", "secret_reader_cluster_role.yaml", "user_cluster_roles.yaml"]
-EXTRA_MONITORING_FILES = ["operator_service_monitor.yaml", "prometheus_rule.yaml"]
+EXTRA_BASE_FILES = [
+    "service.yaml",
+    "secret_reader_cluster_role.yaml",
+    "user_cluster_roles.yaml",
+    "metrics_reader_cluster_role.yaml",
+    "pod_disruption_budget.yaml",
+]
+EXTRA_MONITORING_FILES = ["metrics_scraper.yaml", "operator_service_monitor.yaml", "prometheus_rule.yaml"]
 
 UI = "urn:alm:descriptor:com.tectonic.ui:"
 ADVANCED = UI + "advanced"
@@ -340,6 +346,8 @@ def csv(crd: dict[str, Any]) -> dict[str, Any]:
     version = project_version()
     deployment = load_one(BASE / "deployment.yaml")
     cluster_role = load_one(BASE / "cluster_role.yaml")
+    # The Lease Role (the first document of leader_election_role.yaml) is OLM's namespaced permissions.
+    lease_role = load_yaml_docs(BASE / "leader_election_role.yaml")[0]
     service_account = load_one(BASE / "service_account.yaml")
     sa_name = service_account["metadata"]["name"]
     served = next(v for v in crd["spec"]["versions"] if v.get("storage"))
@@ -419,6 +427,7 @@ def csv(crd: dict[str, Any]) -> dict[str, Any]:
                 "strategy": "deployment",
                 "spec": {
                     "clusterPermissions": [{"serviceAccountName": sa_name, "rules": cluster_role["rules"]}],
+                    "permissions": [{"serviceAccountName": sa_name, "rules": lease_role["rules"]}],
                     "deployments": [
                         {
                             "name": deployment["metadata"]["name"],
