@@ -43,9 +43,32 @@ def test_ports_match_the_operators_settings() -> None:
     defaults = OperatorConfig()
     assert int(env["SERVEDMODEL_METRICS_PORT"]) == ports["metrics"] == defaults.metrics_port
     assert int(env["SERVEDMODEL_HEALTH_PORT"]) == ports["health"] == defaults.health_port
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # handlers/health.py: /healthz (the loop answers) for liveness, /readyz (caches synced) for readiness.
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert c["image"] == OPERATOR_IMAGE
+
+
+def test_two_replicas_one_leader() -> None:
+    """Leader election needs its Lease Role in the operator's namespace, the pod's name as the holder
+    identity, and a rollout that never takes both replicas away."""
+    dep = load(BASE / "deployment.yaml")
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container()["env"]}
+    assert env["POD_NAME"] == "metadata.name"
+    assert env["POD_NAMESPACE"] == "metadata.namespace"
+    role, binding = yaml.safe_load_all((BASE / "leader_election_role.yaml").read_text())
+    assert role["kind"] == "Role"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    assert binding["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    pdb = load(BASE / "pod_disruption_budget.yaml")
+    assert (
+        pdb["spec"]["selector"]["matchLabels"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_restricted_security_context() -> None:
