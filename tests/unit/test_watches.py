@@ -1,0 +1,59 @@
+"""What a ServedModel event enqueues (servedmodel/watches.py): the probe's per-cycle writes do not
+reconcile; what the reconciler reads does; a child event never brings back a ServedModel the cache
+no longer has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servedmodel.controller import Controller
+from servedmodel.k8s import Cache
+from servedmodel.watches import reconciler_inputs, route
+
+
+def body(serving: dict[str, Any] | None = None, *, generation: int = 1, ttft: float = 0.1) -> dict[str, Any]:
+    conds = [{"type": "Serving", **serving}] if serving else []
+    return {
+        "metadata": {"name": "m", "namespace": "a", "uid": "u", "generation": generation},
+        "status": {"phase": "Ready", "probe": {"ttftSeconds": ttft}, "conditions": conds},
+    }
+
+
+def test_probe_figures_and_a_healthy_servings_message_do_not_reconcile() -> None:
+    ok = {"status": "True", "reason": "ChatCompleted"}
+    assert reconciler_inputs(body({**ok, "message": "TTFT 0.101 s"}, ttft=0.1)) == reconciler_inputs(
+        body({**ok, "message": "TTFT 0.250 s"}, ttft=0.25)
+    )
+
+
+def test_what_the_reconciler_reads_does() -> None:
+    failing = {"status": "False", "reason": "ProbeFailed"}
+    assert reconciler_inputs(body({**failing, "message": "HTTP 500"})) != reconciler_inputs(
+        body({**failing, "message": "HTTP 503"})
+    )  # the Degraded message quotes it
+    ok = {"status": "True", "reason": "ChatCompleted", "message": "x"}
+    assert reconciler_inputs(body(ok)) != reconciler_inputs(body({**ok, "status": "False"}))
+    assert reconciler_inputs(body(ok)) != reconciler_inputs(body(ok, generation=2))
+
+
+async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
+    enqueued: list[tuple[str, str]] = []
+
+    async def reconcile(key: tuple[str, str]) -> None:
+        return None
+
+    controller = Controller(reconcile, list, workers=1, resync_interval_s=0)
+    controller.enqueue = lambda ns, name, after=0.0: enqueued.append((ns, name))  # type: ignore[method-assign]
+    cache = Cache()
+    child = {
+        "metadata": {
+            "name": "m",
+            "namespace": "a",
+            "ownerReferences": [{"kind": "ServedModel", "name": "m", "uid": "u", "controller": True}],
+        }
+    }
+    route("Deployment", cache, controller)("DELETED", child, None)
+    assert enqueued == []
+    cache.apply_event("ServedModel", "ADDED", body())
+    route("Deployment", cache, controller)("DELETED", child, None)
+    assert enqueued == [("a", "m")]
