@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import random
+import secrets
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -711,7 +712,12 @@ class KubeClient:
             {
                 "apiVersion": "v1",
                 "kind": "Event",
-                "metadata": {"generateName": f"{meta.get('name', 'object')}.", "namespace": namespace},
+                # A name of its own, chosen once (not generateName): a POST the client retries after a
+                # lost answer (the API server died mid-request) is refused 409 instead of posted twice.
+                "metadata": {
+                    "name": f"{str(meta.get('name', 'object'))[:200]}.{secrets.token_hex(8)}",
+                    "namespace": namespace,
+                },
                 "involvedObject": {
                     "apiVersion": involved.get("apiVersion"),
                     "kind": involved.get("kind"),
@@ -735,4 +741,16 @@ class KubeClient:
         async def call() -> Any:
             return await self._lk.create(event)
 
-        return _to_dict(await self._call(f"POST Event {namespace}", call))
+        attempts = 0
+
+        async def once() -> Any:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return await call()
+            except lightkube.ApiError as e:
+                if e.status.code == 409 and attempts > 1:
+                    return event  # an earlier attempt of this very request created it
+                raise
+
+        return _to_dict(await self._call(f"POST Event {namespace}", once))
