@@ -469,6 +469,13 @@ class ProbeScheduler:
         self.metrics.forget(namespace, name)
         self.metrics.scheduled.set(len(self._models))
 
+    def _gone(self, namespace: str, name: str) -> None:
+        """A status write answered 404: the ServedModel is gone, whatever the watch has said so far. It
+        leaves the cache too, or the next sync from the cache would track (and probe) it again."""
+        self.forget(namespace, name)
+        if self.cache is not None:
+            self.cache.evict(SERVED_MODEL_KIND, namespace, name)
+
     def tracked(self) -> list[Key]:
         return sorted(self._models)
 
@@ -699,7 +706,7 @@ class ProbeScheduler:
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
             )
         except NotFoundError:
-            self.forget(namespace, name)
+            self._gone(namespace, name)
             return result
         except ApiError as exc:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
@@ -943,7 +950,7 @@ class ProbeScheduler:
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
             )
         except NotFoundError:
-            self.forget(namespace, name)
+            self._gone(namespace, name)
             return result
         except ApiError as exc:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
