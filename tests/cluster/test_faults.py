@@ -20,6 +20,7 @@ import yaml
 import controlplane
 import faults
 from required import need
+from servedmodel.config import OperatorConfig
 
 pytestmark = pytest.mark.cluster
 
@@ -98,5 +99,6 @@ def test_only_the_leader_writes_and_the_follower_takes_over(
 ) -> None:
     row = faults.leader_kill(control_plane, start, namespace, rounds=1)
     check(row)
-    # One lease duration (15 s, the default) and its retry period, plus 10 s for the rest.
-    assert max(row.samples) <= 15.0 + 2.0 * 1.2 + 10.0, row.detail
+    # One lease duration (the default) and its retry period, plus 10 s for the rest.
+    defaults = OperatorConfig()
+    assert max(row.samples) <= defaults.lease_duration + defaults.retry_period * 1.2 + 10.0, row.detail

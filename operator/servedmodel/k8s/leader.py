@@ -47,8 +47,8 @@ class LeaderElector:
     namespace: str
     name: str
     identity: str
-    lease_duration_s: float = 15.0
-    renew_deadline_s: float = 10.0
+    lease_duration_s: float = 12.0
+    renew_deadline_s: float = 8.0
     retry_period_s: float = 2.0
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
