@@ -165,6 +165,12 @@ class _LoopCollector(Collector):
                 "Times this replica became the leader.",
                 self.elector.transitions,
             )
+            yield CounterMetricFamily(
+                "servedmodel_leader_election_requests",
+                "API requests for the Lease (counted in servedmodel_kube_api_requests too): a fixed cost, "
+                "a GET and a PUT every retry period while leading, a GET while following.",
+                self.elector.requests,
+            )
 
 
 _COLLECTOR: list[_LoopCollector] = []

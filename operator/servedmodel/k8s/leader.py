@@ -54,6 +54,7 @@ class LeaderElector:
     clock: Callable[[], float] = time.monotonic
     leading: bool = False
     transitions: int = 0  # times this process became the leader
+    requests: int = 0  # API requests for the Lease (a fixed cost: two per retry period while leading)
     _observed: tuple[Any, ...] | None = None  # the Lease's last seen record
     _observed_at: float = 0.0  # when it was last seen to change (our clock)
     _lease: Obj | None = None
@@ -109,6 +110,7 @@ class LeaderElector:
     async def try_acquire_or_renew(self) -> bool:
         """One try (client-go's tryAcquireOrRenew): True when this process holds the Lease after it."""
         now = datetime.now(UTC)
+        self.requests += 1
         try:
             lease = await self.client.get(LEASE_API, "leases", self.namespace, self.name)
         except ApiError as e:
@@ -126,6 +128,7 @@ class LeaderElector:
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": {**spec_new, "acquireTime": _micro_time(now), "leaseTransitions": 0},
             }
+            self.requests += 1
             try:
                 self._lease = await self.client.create(body)
             except ApiError as e:
@@ -146,6 +149,7 @@ class LeaderElector:
             new_spec["acquireTime"] = _micro_time(now)
             new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
         body = {**lease, "spec": new_spec}
+        self.requests += 1
         try:
             self._lease = await self.client.replace(body)
         except ConflictError:
