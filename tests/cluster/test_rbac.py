@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -80,6 +82,8 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
             "apply", "--server-side", "-f", str(servicemonitors), "-f", "-", input=json.dumps(ROUTE_CRD)
         )
         cp.kubectl("apply", "--server-side", "-k", str(ROOT / "manifests" / "base"), timeout=120)
+        # The admission policy that holds the operator's pods/status writes to its own engine pods.
+        cp.kubectl("apply", "--server-side", "-k", str(ROOT / "manifests" / "policies"), timeout=60)
         for crd in (
             "servicemonitors.monitoring.coreos.com",
             "routes.route.openshift.io",
@@ -193,6 +197,8 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         "expose": {"route": True},
         "monitoring": {"serviceMonitor": True},
         "autoscaling": {"maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}},
+        # The readiness gate: the probe's pods/status writes pass manifests/policies' admission policy.
+        "probe": {**spec.get("probe", {}), "readinessGate": True},
     }
     sim_args = [spec["model"], "--max-model-len", str(spec["engine"]["maxModelLen"])]
     kubeconfig = sa_kubeconfig(cp, tmp_path / "sa.kubeconfig")
@@ -255,6 +261,8 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         ("patch", "configmaps", "-n", "default"),
         ("delete", "configmaps", "-n", "default"),
         ("watch", "endpointslices.discovery.k8s.io", "--all-namespaces"),  # nothing reads them
+        ("get", "/metrics"),  # its own /metrics is for Prometheus (servedmodel-metrics-reader)
+        ("create", "localsubjectaccessreviews.authorization.k8s.io", "-n", "default"),
     ],
     ids=lambda a: " ".join(a),
 )
@@ -283,6 +291,9 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("patch", "horizontalpodautoscalers.autoscaling", "-n", "default"),
         ("get", "horizontalpodautoscalers.autoscaling", "-n", "default"),
         ("delete", "horizontalpodautoscalers.autoscaling", "-n", "default"),
+        # /metrics behind TokenReview + SubjectAccessReview (handlers/metrics.py).
+        ("create", "tokenreviews.authentication.k8s.io"),
+        ("create", "subjectaccessreviews.authorization.k8s.io"),
     ],
     ids=lambda a: " ".join(a),
 )
@@ -407,3 +418,122 @@ def test_api_key_secret_is_read_only_where_granted(
         obj = get(cp, "servedmodel", name, "-n", namespace)
     assert api_key not in json.dumps(obj)
     assert api_key not in text
+
+
+# `kubectl auth can-i --list` as the operator's ServiceAccount: every rule it holds cluster-wide, one
+# line each (resources, non-resource URLs, verbs), minus what every authenticated user holds anyway
+# (system:basic-user, system:discovery, system:public-info-viewer: self reviews, /api, /healthz, …).
+EXPECTED_RIGHTS = {
+    ("customresourcedefinitions.apiextensions.k8s.io", "[list watch]"),
+    ("servedmodels.inference.servedmodel.io", "[get list watch patch]"),
+    ("servedmodels.inference.servedmodel.io/status", "[patch]"),
+    ("servedmodels.inference.servedmodel.io/finalizers", "[update]"),
+    ("deployments.apps", "[get list watch create patch delete]"),
+    ("services", "[get list watch create patch delete]"),
+    ("persistentvolumeclaims", "[list watch create patch delete]"),
+    ("pods", "[list watch]"),
+    ("pods/status", "[patch]"),
+    ("configmaps", "[get list watch]"),
+    ("events", "[create]"),
+    ("routes.route.openshift.io", "[get list create patch delete]"),
+    ("routes.route.openshift.io/custom-host", "[create]"),
+    ("servicemonitors.monitoring.coreos.com", "[list create patch delete]"),
+    ("horizontalpodautoscalers.autoscaling", "[get list watch create patch delete]"),
+    ("scaledobjects.keda.sh", "[list watch create patch delete]"),
+    ("triggerauthentications.keda.sh", "[list watch create patch delete]"),
+    ("tokenreviews.authentication.k8s.io", "[create]"),
+    ("subjectaccessreviews.authorization.k8s.io", "[create]"),
+}
+EVERYONES = {"selfsubjectreviews.authentication.k8s.io", "selfsubjectaccessreviews.authorization.k8s.io",
+             "selfsubjectrulesreviews.authorization.k8s.io"}  # fmt: skip
+
+
+def rights(cp: controlplane.ControlPlane, *args: str) -> set[tuple[str, str]]:
+    """(resource, or [non-resource URL], verbs) from `kubectl auth can-i --list --as` the ServiceAccount;
+    a rule limited to resourceNames keeps them in the name (resource[names])."""
+    out = cp.kubectl("auth", "can-i", "--list", "--as", SA_USER, *args).stdout
+    found = set()
+    for line in out.splitlines()[1:]:  # Resources  Non-Resource URLs  Resource Names  Verbs
+        groups = re.findall(r"\[[^\]]*\]", line)
+        if len(groups) < 3:
+            continue
+        names, verbs = groups[-2], groups[-1]
+        name = groups[0] if line.startswith(" ") else line.split()[0]
+        found.add((name + (names if names != "[]" else ""), verbs))
+    return found
+
+
+def test_the_operators_effective_rights(cluster: controlplane.ControlPlane) -> None:
+    """What `kubectl auth can-i --list` shows for the operator, cluster-wide and in a model namespace:
+    exactly its ClusterRole (no Secret anywhere, no resourceNames), printed for the record."""
+    out = cluster.kubectl("auth", "can-i", "--list", "--as", SA_USER).stdout
+    print(out)
+    found = {r for r in rights(cluster) if r[0] not in EVERYONES and not r[0].startswith("[")}
+    assert found == EXPECTED_RIGHTS
+    assert not any("secrets" in r[0] for r in rights(cluster, "-n", "default"))
+    # Non-resource URLs: only what every authenticated user may get (/api, /healthz, …), not /metrics.
+    urls = {r[0] for r in rights(cluster) if r[0].startswith("[")}
+    assert "[/metrics]" not in urls
+
+
+def _pod(cp: controlplane.ControlPlane, namespace: str, name: str, labels: dict[str, str]) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "containers": [{"name": "c", "image": "example.com/none:1"}],
+            "readinessGates": [{"conditionType": "inference.servedmodel.io/serving"}],
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=json.dumps(pod))
+
+
+def _patch_status(cp: controlplane.ControlPlane, namespace: str, pod: str, condition: str) -> tuple[int, str]:
+    """PATCH pods/status as the operator's ServiceAccount (its own token: kubectl would GET first, which
+    the operator may not), one condition by strategic merge; (HTTP status, body)."""
+    token = cp.kubectl("create", "token", SA, "-n", OPERATOR_NS, "--duration=10m").stdout.strip()
+    body = {"status": {"conditions": [{"type": condition, "status": "True", "reason": "Test"}]}}
+    req = urllib.request.Request(
+        f"{cp.server}/api/v1/namespaces/{namespace}/pods/{pod}/status",
+        data=json.dumps(body).encode(),
+        method="PATCH",
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/strategic-merge-patch+json",
+        },
+    )
+    context = ssl.create_default_context(cafile=str(cp.ca_file))
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=context) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
+def test_pod_status_writes_are_held_to_the_operators_own_pods_and_condition(
+    cluster: controlplane.ControlPlane,
+) -> None:
+    """RBAC grants patch on every pods/status; the ValidatingAdmissionPolicy (manifests/policies) lets
+    the operator's ServiceAccount write only its own condition of pods labelled managed-by it."""
+    cp = cluster
+    namespace = "vap"
+    cp.kubectl("create", "namespace", namespace)
+    _pod(cp, namespace, "engine", {"app.kubernetes.io/managed-by": "servedmodel-operator"})
+    _pod(cp, namespace, "someone-elses", {"app": "db"})
+    gate = "inference.servedmodel.io/serving"
+    code, body = _patch_status(cp, namespace, "engine", gate)
+    assert code == 200, body
+    code, body = _patch_status(cp, namespace, "someone-elses", gate)
+    assert code == 403, body
+    assert "servedmodel-operator-pod-status" in body
+    assert "only of its own engine pods" in body
+    code, body = _patch_status(cp, namespace, "engine", "Ready")
+    assert code == 403, body
+    assert "only its own pod condition" in body
+    # Nobody else is held by it: the admin writes any pod's status.
+    body = {"status": {"conditions": [{"type": gate, "status": "False", "reason": "Admin"}]}}
+    cp.kubectl(
+        "patch", "pod", "someone-elses", "-n", namespace, "--subresource=status", "--type=strategic",
+        "-p", json.dumps(body),
+    )  # fmt: skip
