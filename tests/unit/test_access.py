@@ -18,8 +18,9 @@ from servedmodel.access import (
     secret_refusal,
     target_refusal,
 )
-from servedmodel.api import ServedModelSpec
+from servedmodel.api import ServedModel, ServedModelSpec
 from servedmodel.config import OperatorConfig
+from servedmodel.render import RenderContext, RenderError, render
 
 FIELD = "spec.engine.apiKeySecretRef"
 DEFAULT = AllowList.parse(OperatorConfig().allowed_targets)
@@ -192,3 +193,36 @@ def test_the_spec_refuses_a_prometheus_url_with_a_query() -> None:
         ServedModelSpec.model_validate(
             {"model": "Qwen/Qwen2.5-7B-Instruct", "probe": {"metricsSource": source}}
         )
+
+
+def keda_model(**prometheus: Any) -> ServedModel:
+    auto = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targets": {"waitingRequestsPerReplica": 2},
+        "prometheus": prometheus,
+    }
+    return ServedModel.model_validate(
+        {
+            "metadata": {"name": "qwen", "namespace": "ai", "uid": "u1"},
+            "spec": {"model": "Qwen/Qwen2.5-7B-Instruct", "autoscaling": auto},
+        }
+    )
+
+
+def test_keda_sends_the_token_only_to_an_allowed_prometheus() -> None:
+    """KEDA queries spec.autoscaling.prometheus.url with the namespace's token on the author's word: the
+    reconciler's render holds it to the operator's allow-list and TLS rule (an InvalidSpec naming it)."""
+    ctx = RenderContext.from_config(OperatorConfig(), has_keda_api=True)
+    token = {"bearerTokenSecretRef": {"name": "db-credentials", "key": "password"}}
+    allowed = render(keda_model(url="https://thanos-querier.openshift-monitoring.svc:9092", **token), ctx)
+    assert [o["kind"] for o in allowed][-2:] == ["TriggerAuthentication", "ScaledObject"]
+    with pytest.raises(RenderError) as info:
+        render(keda_model(url="http://collector.evil.example:9090", **token), ctx)
+    assert info.value.field == "spec.autoscaling.prometheus.url"
+    assert TARGET_NOT_ALLOWED in info.value.reason
+    with pytest.raises(RenderError) as info:
+        render(keda_model(url="https://thanos.mon.svc:9092", insecureSkipVerify=True), ctx)
+    assert info.value.field == "spec.autoscaling.prometheus.insecureSkipVerify"
+    lenient = RenderContext.from_config(OperatorConfig(allow_insecure_tls=True), has_keda_api=True)
+    render(keda_model(url="https://thanos.mon.svc:9092", insecureSkipVerify=True), lenient)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from servedmodel import access
+from servedmodel.access import AllowList
 from servedmodel.api import API_GROUP_VERSION, KIND, ServedModel, names
 from servedmodel.api.autoscaling import AutoscalingPrometheus, AutoscalingTargets, ServedModelAutoscaling
 from servedmodel.api.base import Obj
@@ -268,12 +270,40 @@ def trigger_authentication(cr: ServedModel, prom: PrometheusSource) -> Obj | Non
     }
 
 
-def autoscaler_objects(cr: ServedModel, *, has_keda_api: bool) -> list[Obj]:
-    """The autoscaler's objects for spec.autoscaling (none when unset or in external mode)."""
+def _keda_target_allowed(
+    cr: ServedModel, prom: PrometheusSource, allowed: AllowList, allow_insecure_tls: bool
+) -> None:
+    auto = cr.spec.autoscaling
+    field = "spec.autoscaling.prometheus"
+    if auto is None or auto.prometheus is None:
+        field = "spec.probe.metricsSource.prometheus"
+    refusal = access.target_refusal(prom.url, allowed, f"{field}.url", base_path_only=False)
+    if refusal is not None:
+        raise RenderError(f"{field}.url", f"{refusal.reason}: {refusal.message}")
+    if prom.insecure_skip_verify and not allow_insecure_tls:
+        raise RenderError(
+            f"{field}.insecureSkipVerify",
+            f"{access.INSECURE_TLS_NOT_ALLOWED}: the operator verifies TLS for every ServedModel (a "
+            "cluster admin may allow skipping it: SERVEDMODEL_ALLOW_INSECURE_TLS)",
+        )
+
+
+def autoscaler_objects(
+    cr: ServedModel,
+    *,
+    has_keda_api: bool,
+    allowed_targets: AllowList | None = None,
+    allow_insecure_tls: bool = False,
+) -> list[Obj]:
+    """The autoscaler's objects for spec.autoscaling (none when unset or in external mode). KEDA's
+    Prometheus URL must pass `allowed_targets` (when given) and may skip TLS verification only with
+    `allow_insecure_tls`: KEDA sends the namespace's token there on the ServedModel author's word."""
     if cr.spec.autoscaling is None or cr.spec.external:
         return []
     if has_keda_api:
         prom = keda_prometheus(cr)
+        if allowed_targets is not None:
+            _keda_target_allowed(cr, prom, allowed_targets, allow_insecure_tls)
         auth = trigger_authentication(cr, prom)
         return [*([auth] if auth is not None else []), scaled_object(cr, prom)]
     return [horizontal_pod_autoscaler(cr)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from servedmodel.access import AllowList
 from servedmodel.api import ServedModel, names
 from servedmodel.api.base import Obj
 from servedmodel.api.crd import dump_yaml
@@ -53,6 +54,12 @@ class RenderContext:
     # A digest of the chat template ConfigMap's key (chat_template.template_digest; the reconciler
     # reads the ConfigMap): when it changes the pod template changes, so a new template rolls the pods.
     chat_template_digest: str | None = None
+    # The operator's outbound allow-list (SERVEDMODEL_ALLOWED_TARGETS) and SERVEDMODEL_ALLOW_INSECURE_TLS:
+    # a KEDA ScaledObject sends the Prometheus token to its serverAddress, so that URL is held to the same
+    # rule as the probe's (servedmodel.access). None: not checked (pure rendering; the reconciler always
+    # passes the config's, through from_config).
+    allowed_targets: AllowList | None = None
+    allow_insecure_tls: bool = False
 
     @classmethod
     def from_config(
@@ -72,6 +79,8 @@ class RenderContext:
             has_service_monitor_api=has_service_monitor_api,
             has_keda_api=has_keda_api,
             chat_template_digest=chat_template_digest,
+            allowed_targets=config.target_allow_list,
+            allow_insecure_tls=config.allow_insecure_tls,
         )
 
 
@@ -400,7 +409,12 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
         objects.append(route(cr))
     if ctx.has_service_monitor_api and cr.spec.monitoring.service_monitor:
         objects.append(service_monitor(cr))
-    objects += autoscaler_objects(cr, has_keda_api=ctx.has_keda_api)
+    objects += autoscaler_objects(
+        cr,
+        has_keda_api=ctx.has_keda_api,
+        allowed_targets=ctx.allowed_targets,
+        allow_insecure_tls=ctx.allow_insecure_tls,
+    )
     return objects
 
 
