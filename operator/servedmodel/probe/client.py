@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
@@ -26,7 +27,7 @@ import httpx
 
 from servedmodel.api.probe import ProbeCheck, ProbeSpec
 
-from . import errors
+from . import bounds, errors
 from .checks import (
     LearnedStop,
     check_limits,
@@ -40,6 +41,7 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
+from .loop import watch_of
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import ClientFigures, Delivery, SSEDecoder, StreamTiming, client_figures, delivery
 
@@ -60,6 +62,8 @@ LIMITS_MAX_TOKENS = (
 # number of tokens and usage.prompt_tokens stays the same from cycle to cycle.
 NONCE_DIGITS = 8
 PROBE_SEED = 1234  # with temperature 0: the learned-stop request repeats the first answer
+# The streaming check's reason when the prober, not the engine, lagged (probe/loop.py).
+PROBE_LOOP_STALLED = "ProbeLoopStalled"
 
 T = TypeVar("T")
 
@@ -94,14 +98,21 @@ class PodMetrics:
         self.client, self.urls, self.model = client, list(urls), model
 
     async def _one(self, url: str) -> MetricsSnapshot:
-        try:
-            r = await self.client.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S)
-        except httpx.TransportError as exc:
-            raise errors.classify_transport_error(exc, "GET /metrics") from None
+        step = "GET /metrics"
+        r = await bounds.request(
+            self.client,
+            "GET",
+            f"{url}/metrics",
+            step,
+            cap=bounds.METRICS_MAX_BYTES,
+            deadline_s=METRICS_TIMEOUT_S,
+            read_limits=httpx.Timeout(METRICS_TIMEOUT_S),
+        )
         if r.status_code != 200:
-            raise errors.classify_status(r.status_code, r.content, "GET /metrics")
+            raise errors.classify_status(r.status_code, r.body, step)
+        text = bounds.decode_text(r.body, step)
         try:
-            return parse_metrics(r.text, self.model)
+            return parse_metrics(text, self.model)
         except ValueError as exc:
             raise ProbeFailure(
                 errors.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}"
@@ -147,10 +158,14 @@ class ProbeOutcome:
     window: WindowDelta | None = None
     isolated: bool | None = None
     metrics_error: str | None = None
+    metrics_failure: ProbeFailure | None = None  # why the server figures are missing (metrics_error's)
     body: dict[str, Any] | None = None  # the first chat request sent (nonce included; no secrets)
     delivery: Delivery | None = None
     learned_stop: LearnedStop | None = None
     cached_prompt_tokens: int | None = None  # prefix-cache hits of the probe's prompt(s)
+    # How long the probe's own loop was stalled while its streams were read (ms; None: not stalled or
+    # not watched). A stalled sample's TTFT/TPOT/ITL are the prober's, not the engine's: not published.
+    probe_stall_ms: float | None = None
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
 
     @property
@@ -176,33 +191,57 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _call(step: str, coro: Awaitable[httpx.Response]) -> httpx.Response:
-    try:
-        return await coro
-    except httpx.TransportError as exc:
-        raise errors.classify_transport_error(exc, step) from None
+# A non-streamed request's whole answer (headers and body) within twice the first-byte limit: the headers
+# have firstByteTimeout, a body that trickles in gets as long again and no longer (bounds.request).
+REPLY_DEADLINE_FACTOR = 2.0
+DEFAULT_REPLY_DEADLINE_S = 40.0  # 2 x ProbeSpec's default firstByteTimeout
 
 
-def _json(r: httpx.Response, step: str) -> Any:
-    try:
-        return r.json()
-    except ValueError:
-        raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{step}: body is not JSON: {r.text[:80]!r}") from None
+def reply_deadline_s(spec: ProbeSpec) -> float:
+    return REPLY_DEADLINE_FACTOR * spec.first_byte_timeout
+
+
+async def _get(
+    client: httpx.AsyncClient, url: str, step: str, cap: int, deadline_s: float, api_key: str | None = None
+) -> bounds.Reply:
+    return await bounds.request(
+        client, "GET", url, step, cap=cap, deadline_s=deadline_s, headers=_auth(api_key)
+    )
+
+
+async def _post(
+    client: httpx.AsyncClient,
+    url: str,
+    step: str,
+    body: Any,
+    cap: int,
+    deadline_s: float,
+    api_key: str | None = None,
+) -> bounds.Reply:
+    return await bounds.request(
+        client, "POST", url, step, cap=cap, deadline_s=deadline_s, headers=_auth(api_key), json_body=body
+    )
 
 
 async def door(
-    client: httpx.AsyncClient, base: str, model: str | None, api_key: str | None, out: ProbeOutcome
+    client: httpx.AsyncClient,
+    base: str,
+    model: str | None,
+    api_key: str | None,
+    out: ProbeOutcome,
+    deadline_s: float = DEFAULT_REPLY_DEADLINE_S,
 ) -> None:
     """/health answers 200, /v1/models lists the model; read max_model_len."""
-    r = await _call("GET /health", client.get(f"{base}/health"))
+    r = await _get(client, f"{base}/health", "GET /health", bounds.ERROR_BODY_MAX_BYTES, deadline_s)
     if r.status_code == 503:
         raise ProbeFailure(errors.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
     if r.status_code != 200 and r.status_code != 404:  # 404: an OpenAI-compatible server without /health
-        raise errors.classify_status(r.status_code, r.content, "GET /health")
-    r = await _call("GET /v1/models", client.get(f"{base}/v1/models", headers=_auth(api_key)))
+        raise errors.classify_status(r.status_code, r.body, "GET /health")
+    step = "GET /v1/models"
+    r = await _get(client, f"{base}/v1/models", step, bounds.MODELS_MAX_BYTES, deadline_s, api_key)
     if r.status_code != 200:
-        raise errors.classify_status(r.status_code, r.content, "GET /v1/models")
-    doc = _json(r, "GET /v1/models")
+        raise errors.classify_status(r.status_code, r.body, step)
+    doc = bounds.loads(r.body, step)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
         raise ProbeFailure(errors.MALFORMED_RESPONSE, "GET /v1/models: no data list of models")
@@ -211,9 +250,8 @@ async def door(
         raise ProbeFailure(errors.MODEL_NOT_SERVED, "GET /v1/models: no model is served")
     chosen = model if model is not None else ids[0]
     if chosen not in ids:
-        raise ProbeFailure(
-            errors.MODEL_NOT_SERVED, f"model {chosen!r} is not listed; served: {', '.join(ids)}"
-        )
+        served = errors.snippet(", ".join(ids))
+        raise ProbeFailure(errors.MODEL_NOT_SERVED, f"model {chosen!r} is not listed; served: {served}")
     entry = data[ids.index(chosen)]
     out.model = chosen
     out.model_root = str(entry.get("root")) if entry.get("root") else None
@@ -247,25 +285,30 @@ async def tokenize(
     api_key: str | None,
     out: ProbeOutcome,
     messages: list[dict[str, str]] | None = None,
+    deadline_s: float = DEFAULT_REPLY_DEADLINE_S,
 ) -> None:
     """Count and render the probe's messages as the engine's chat template does. HTTP/JSON trouble only
-    fails the template check; a transport error fails the probe."""
+    fails the template check; a transport error, a trickle or an oversized answer fails the probe."""
     body = {
         "model": out.model,
         "messages": messages if messages is not None else [m.model_dump() for m in spec.messages],
         "add_generation_prompt": True,
         "return_token_strs": True,
     }
-    r = await _call("POST /tokenize", client.post(f"{base}/tokenize", json=body, headers=_auth(api_key)))
+    step = "POST /tokenize"
+    r = await _post(client, f"{base}/tokenize", step, body, bounds.TOKENIZE_MAX_BYTES, deadline_s, api_key)
     if r.status_code != 200:
-        out.tokenize_error = f"POST /tokenize: HTTP {r.status_code}: {errors.error_message_of(r.content)}"
+        out.tokenize_error = f"{step}: HTTP {r.status_code}: {errors.error_message_of(r.body)}"
         return
     try:
-        doc = r.json()
+        doc = bounds.loads(r.body, step)
         count = doc["count"]
         strs = doc.get("token_strs")
-    except (ValueError, KeyError, TypeError):
-        out.tokenize_error = f"POST /tokenize: malformed answer {r.text[:80]!r}"
+    except ProbeFailure as f:
+        out.tokenize_error = f"{f.reason}: {f.message}"
+        return
+    except (KeyError, TypeError, AttributeError):
+        out.tokenize_error = f"{step}: malformed answer {errors.snippet(r.body, limit=80)!r}"
         return
     if not isinstance(count, int):
         out.tokenize_error = "POST /tokenize: count is not an integer"
@@ -295,7 +338,12 @@ def chat_body(
 
 
 async def learned_stop_request(
-    client: httpx.AsyncClient, base: str, body: dict[str, Any], first: StreamTiming, api_key: str | None
+    client: httpx.AsyncClient,
+    base: str,
+    body: dict[str, Any],
+    first: StreamTiming,
+    api_key: str | None,
+    deadline_s: float = DEFAULT_REPLY_DEADLINE_S,
 ) -> LearnedStop:
     """The first answer again, non-streamed, with a stop string learned from it (see checks.LearnedStop)."""
     n1 = first.usage.get("completion_tokens") if first.usage else None
@@ -305,20 +353,21 @@ async def learned_stop_request(
     stop, offset = picked
     again = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     again["stop"] = [stop]
-    r = await _call(
-        "POST /v1/chat/completions (learned stop)",
-        client.post(f"{base}/v1/chat/completions", json=again, headers=_auth(api_key)),
-    )
+    step = "POST /v1/chat/completions (learned stop)"
+    url = f"{base}/v1/chat/completions"
+    r = await _post(client, url, step, again, bounds.CHAT_MAX_BYTES, deadline_s, api_key)
     if r.status_code != 200:
-        err = f"HTTP {r.status_code}: {errors.error_message_of(r.content)}"
+        err = f"HTTP {r.status_code}: {errors.error_message_of(r.body)}"
         return LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
     try:
-        doc = r.json()
+        doc = bounds.loads(r.body, step)
         choice = doc["choices"][0]
         content = choice["message"].get("content") or ""
         usage = doc.get("usage") or {}
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        err = f"malformed answer {r.text[:80]!r}"
+    except ProbeFailure as f:
+        return LearnedStop(stop, offset, first.content, first_tokens=n1, error=f"{f.reason}: {f.message}")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        err = f"malformed answer {errors.snippet(r.body, limit=80)!r}"
         return LearnedStop(stop, offset, first.content, first_tokens=n1, error=err)
     sr = choice.get("stop_reason")
     ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -341,8 +390,11 @@ async def stream_chat(
     api_key: str | None,
     request_id: str | None = None,
     clock: Callable[[], int] = time.monotonic_ns,
+    max_tokens: int | None = None,
 ) -> StreamTiming:
-    """POST /v1/chat/completions streamed; every SSE event is timestamped when its bytes were read."""
+    """POST /v1/chat/completions streamed; every SSE event is timestamped when its bytes were read.
+    The stream is bounded by what max_tokens (the body's, unless given) allows: text, wire bytes and
+    events (bounds.stream_caps; StreamTooLong), and each SSE line by bounds.SSE_LINE_MAX_BYTES."""
     step = "POST /v1/chat/completions"
     headers = {**_auth(api_key), "Accept": "text/event-stream"}
     if request_id:
@@ -369,8 +421,8 @@ async def stream_chat(
     try:
         if response.status_code != 200:
             try:
-                content = await response.aread()
-            except httpx.TransportError:
+                content = await bounds.read_capped(response, bounds.ERROR_BODY_MAX_BYTES, step)
+            except (httpx.TransportError, ProbeFailure):
                 content = b""
             raise errors.classify_status(response.status_code, content, step)
         ctype = response.headers.get("content-type", "")
@@ -378,12 +430,22 @@ async def stream_chat(
             raise ProbeFailure(
                 errors.MALFORMED_STREAM, f"{step}: content-type {ctype!r}, not an event stream"
             )
-        decoder = SSEDecoder()
+        n = max_tokens if max_tokens is not None else int(body.get("max_completion_tokens") or 16)
+        text_cap, wire_cap, event_cap = bounds.stream_caps(n)
+        decoder = SSEDecoder(max_line=bounds.SSE_LINE_MAX_BYTES)
+        wire = 0
         try:
             async for chunk in response.aiter_raw():
                 t = clock()
+                wire += len(chunk)
                 for data in decoder.feed(chunk):
                     timing.on_event(data, t)
+                if wire > wire_cap or timing.events > event_cap or len(timing.content) > text_cap:
+                    raise ProbeFailure(
+                        errors.STREAM_TOO_LONG,
+                        f"{step}: more than max_tokens {n} allow ({timing.events} events, {wire} bytes, "
+                        f"{len(timing.content)} characters; caps {event_cap}, {wire_cap}, {text_cap})",
+                    )
         except httpx.TransportError as exc:
             raise errors.classify_transport_error(exc, step, streaming=True) from None
         t = clock()
@@ -427,7 +489,12 @@ def _median_figures(figs: list[ClientFigures]) -> ClientFigures:
 
 
 async def limits_request(
-    client: httpx.AsyncClient, base: str, model: str | None, max_model_len: int, api_key: str | None
+    client: httpx.AsyncClient,
+    base: str,
+    model: str | None,
+    max_model_len: int,
+    api_key: str | None,
+    deadline_s: float = DEFAULT_REPLY_DEADLINE_S,
 ) -> tuple[int, str]:
     """A prompt of more than max_model_len tokens; vLLM answers 400 at the door before any compute."""
     body = {
@@ -436,11 +503,15 @@ async def limits_request(
         "max_completion_tokens": 1,
         "max_tokens": 1,
     }
-    r = await _call(
-        "POST /v1/chat/completions (oversized)",
-        client.post(f"{base}/v1/chat/completions", json=body, headers=_auth(api_key)),
-    )
-    return r.status_code, errors.error_message_of(r.content)
+    step = "POST /v1/chat/completions (oversized)"
+    url = f"{base}/v1/chat/completions"
+    r = await _post(client, url, step, body, bounds.CHAT_MAX_BYTES, deadline_s, api_key)
+    return r.status_code, errors.error_message_of(r.body)
+
+
+def cycle_budget_s(spec: ProbeSpec) -> float:
+    """The longest one cycle may take, all its requests together (bounds.CYCLE_BUDGET_MAX_S)."""
+    return min(bounds.CYCLE_BUDGET_MAX_S, 2 * spec.timeout)
 
 
 async def run_probe(
@@ -452,66 +523,136 @@ async def run_probe(
     api_key: str | None = None,
     metrics: MetricsReader | None = None,
 ) -> ProbeOutcome:
-    """One probe cycle. Never raises for a probe failure (cancellation still propagates)."""
+    """One probe cycle. Never raises for a probe failure (cancellation still propagates).
+
+    Deadlines: the chat phase (door, tokenize, metrics before, the streams) within spec.timeout; what
+    follows (metrics after, limits, learned stop) within one more spec.timeout; all of it within
+    cycle_budget_s. Every message that leaves the outcome is redacted of the API key (and any bearer
+    token) and bounded."""
     out = ProbeOutcome(endpoint=target.base_url, started=datetime.now(UTC))
     base = target.base_url
+    deadline = reply_deadline_s(spec)
+    loop = asyncio.get_running_loop()
+    budget_end = loop.time() + cycle_budget_s(spec)
     try:
-        async with asyncio.timeout(spec.timeout):
-            await door(client, base, model, api_key, out)
+        async with asyncio.timeout_at(min(loop.time() + spec.timeout, budget_end)):
+            await door(client, base, model, api_key, out, deadline)
             n = spec.max_in_flight
             bodies = [chat_body(spec, out.model, probe_messages(spec, nonce())) for _ in range(n)]
             out.body = bodies[0]
-            await tokenize(client, base, spec, api_key, out, bodies[0]["messages"])
+            await tokenize(client, base, spec, api_key, out, bodies[0]["messages"], deadline)
             if metrics is not None:
                 if metrics.model is None:
                     metrics.model = out.model
                 try:
                     out.before = await metrics.snapshot()
                 except ProbeFailure as f:
-                    out.metrics_error = f.message
+                    out.metrics_error, out.metrics_failure = f.message, f
                 else:
                     await asyncio.sleep(SCRAPE_QUIET_S)
             timings = await gather_or_cancel(
-                *(stream_chat(client, base, b, api_key, f"probe-{uuid.uuid4().hex}") for b in bodies)
+                *(
+                    stream_chat(
+                        client, base, b, api_key, f"probe-{uuid.uuid4().hex}", max_tokens=spec.max_tokens
+                    )
+                    for b in bodies
+                )
             )
             out.timings = list(timings)
     except ProbeFailure as f:
         out.failure = f
     except TimeoutError:
         out.failure = ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
+    except RecursionError:  # bounds.loads refuses deep JSON first; nothing deep may end the cycle
+        out.failure = ProbeFailure(errors.RESPONSE_TOO_DEEP, "an answer nested too deep to decode")
     if out.timings:
         out.figures = _median_figures([client_figures(t) for t in out.timings])
+    after_end = min(loop.time() + spec.timeout, budget_end)
     # Metrics after the window, even after a failure (the scheduler snapshot is still useful).
     if metrics is not None and out.before is not None:
         try:
-            async with asyncio.timeout(min(spec.timeout, 30.0)):
+            async with asyncio.timeout_at(min(loop.time() + min(spec.timeout, 30.0), after_end)):
                 out.after = await metrics.settled(out.before, len(out.timings), time.time())
         except ProbeFailure as f:
-            out.metrics_error = f.message
+            out.metrics_error, out.metrics_failure = f.message, f
         except TimeoutError:
             out.metrics_error = "metrics after the probe: timed out"
+    _mark_stall(out, loop)
     if out.before is not None and out.after is not None:
         out.window = delta(out.before, out.after)
         done = out.window.counters.get("request_success")
         if not out.window.reset and done is not None:
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
     if out.ok:
-        await _limits_check(client, base, spec, api_key, out)
-        await _learned_stop(client, base, spec, api_key, out)
+        await _limits_check(client, base, spec, api_key, out, after_end, deadline)
+        await _learned_stop(client, base, spec, api_key, out, after_end, deadline)
         _request_checks(spec, out)
+    _redact(out, api_key)
     out.ended = datetime.now(UTC)
     return out
 
 
+def _mark_stall(out: ProbeOutcome, loop: asyncio.AbstractEventLoop) -> None:
+    """probe_stall_ms when the loop's watch (a ProbeLoop's) saw a stall while the streams were read.
+    Called after the metrics settled: the watch has woken up from a stall at the stream's very end."""
+    watch = watch_of(loop)
+    if watch is None or not out.timings:
+        return
+    start = min(t.sent_ns for t in out.timings)
+    end = max(t.done_ns or t.last_event_ns or t.sent_ns for t in out.timings)
+    stalled = watch.stalled_ms(start, end)
+    if stalled > 0:
+        out.probe_stall_ms = stalled
+
+
+def _redact(out: ProbeOutcome, api_key: str | None) -> None:
+    """Every text of the outcome that goes to status, Events or the log, without the API key or a
+    bearer token (an echoing engine may send either back)."""
+    secrets = (api_key,)
+
+    def clean(text: str | None) -> str | None:
+        return None if text is None else errors.redact(text, secrets)
+
+    if out.failure is not None:
+        out.failure = ProbeFailure(out.failure.reason, errors.redact(out.failure.message, secrets))
+    if out.metrics_failure is not None:
+        f = out.metrics_failure
+        out.metrics_failure = ProbeFailure(f.reason, errors.redact(f.message, secrets))
+    out.metrics_error = clean(out.metrics_error)
+    out.tokenize_error = clean(out.tokenize_error)
+    out.rendered = clean(out.rendered)
+    for t in out.timings:
+        t.content = errors.redact(t.content, secrets)
+    if out.learned_stop is not None:
+        ls = out.learned_stop
+        out.learned_stop = dataclasses.replace(
+            ls,
+            first=errors.redact(ls.first, secrets),
+            content=errors.redact(ls.content, secrets),
+            error=clean(ls.error),
+        )
+    out.checks = {
+        k: c.model_copy(update={"message": errors.redact(c.message, secrets)}) for k, c in out.checks.items()
+    }
+
+
 async def _limits_check(
-    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+    client: httpx.AsyncClient,
+    base: str,
+    spec: ProbeSpec,
+    api_key: str | None,
+    out: ProbeOutcome,
+    until: float,
+    deadline_s: float,
 ) -> None:
     status: int | None = None
     message, error = "", None
     if spec.check_limits and out.max_model_len is not None and out.max_model_len <= LIMITS_MAX_TOKENS:
         try:
-            async with asyncio.timeout(spec.timeout):
-                status, message = await limits_request(client, base, out.model, out.max_model_len, api_key)
+            async with asyncio.timeout_at(until):
+                status, message = await limits_request(
+                    client, base, out.model, out.max_model_len, api_key, deadline_s
+                )
         except ProbeFailure as f:
             error = f.message
         except TimeoutError:
@@ -526,7 +667,13 @@ async def _limits_check(
 
 
 async def _learned_stop(
-    client: httpx.AsyncClient, base: str, spec: ProbeSpec, api_key: str | None, out: ProbeOutcome
+    client: httpx.AsyncClient,
+    base: str,
+    spec: ProbeSpec,
+    api_key: str | None,
+    out: ProbeOutcome,
+    until: float,
+    deadline_s: float,
 ) -> None:
     """Only when the probe's own stop string did not end the answer (dummy weights, a base model)."""
     t = out.timing
@@ -537,8 +684,8 @@ async def _learned_stop(
     if any(s in t.content for s in spec.stop):
         return  # already a failure; nothing more to learn
     try:
-        async with asyncio.timeout(spec.timeout):
-            out.learned_stop = await learned_stop_request(client, base, out.body, t, api_key)
+        async with asyncio.timeout_at(until):
+            out.learned_stop = await learned_stop_request(client, base, out.body, t, api_key, deadline_s)
     except ProbeFailure as f:
         out.learned_stop = LearnedStop("?", first=t.content, error=f.message)
     except TimeoutError:
@@ -572,6 +719,12 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
     out.cached_prompt_tokens = _cached_prompt_tokens(out)
     out.checks["streaming"] = check_streaming(out.delivery)
+    if out.probe_stall_ms is not None and out.delivery.coalesced:
+        out.checks["streaming"] = skipped(
+            PROBE_LOOP_STALLED,
+            f"the probe's own loop was stalled {out.probe_stall_ms:.1f} ms while the stream was read: "
+            "the lumps may be the prober's, not the engine's",
+        )
     usage_prompt = t.usage.get("prompt_tokens") if t.usage else None
     family = family_of(out.model, out.model_root)
     roles = [m.role for m in spec.messages]

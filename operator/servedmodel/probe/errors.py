@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import socket
+from collections.abc import Iterable
+from typing import Final
 
 import httpx
 
@@ -30,7 +33,35 @@ NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_CONTENT = "NoContent"
 SECRET_UNAVAILABLE = "SecretUnavailable"
 PROMPT_TOO_LONG = "PromptTooLong"
+# Bounds on what an engine may send (bounds.py): a hostile or broken engine fails its own probe.
+RESPONSE_TOO_LARGE = "ResponseTooLarge"  # a body or an SSE line over its route's cap
+STREAM_TOO_LONG = "StreamTooLong"  # a stream with more text, bytes or events than max_tokens allow
+RESPONSE_TOO_DEEP = "ResponseTooDeep"  # JSON nested deeper than bounds.JSON_MAX_DEPTH
+INVALID_ENCODING = "InvalidEncoding"  # bytes that are not UTF-8 where JSON or exposition text is due
+DEADLINE_EXCEEDED = "DeadlineExceeded"  # a whole answer not in within its deadline (a trickle)
 SERVING = "Serving"
+
+
+# Snippets of engine replies in status, Events and logs: short, and never the API key or a bearer token.
+SNIPPET_MAX_CHARS: Final = 300
+REDACTED: Final = "[REDACTED]"
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """`text` without the given secrets and without any `Bearer <token>`."""
+    for s in secrets:
+        if s:
+            text = text.replace(s, REDACTED)
+    return _BEARER.sub(lambda m: m.group(1) + REDACTED, text)
+
+
+def snippet(text: str | bytes, secrets: Iterable[str | None] = (), limit: int = SNIPPET_MAX_CHARS) -> str:
+    """A bounded, redacted piece of a reply for status, Events and logs (bytes decode with replacement).
+    Redacted before it is cut, so no cut leaves a prefix of a secret behind."""
+    head = text[: limit * 4]
+    as_text = head.decode("utf-8", "replace") if isinstance(head, bytes) else head
+    return redact(as_text, secrets)[:limit]
 
 
 class ProbeFailure(Exception):
@@ -86,18 +117,21 @@ def classify_transport_error(
     return ProbeFailure(CONNECTION_FAILED, f"{step}: {type(exc).__name__}: {exc}")
 
 
-def error_message_of(body: bytes, limit: int = 300) -> str:
-    """vLLM's error.message from a JSON error body, or the start of the body; short enough for status."""
+def error_message_of(body: bytes, limit: int = SNIPPET_MAX_CHARS) -> str:
+    """vLLM's error.message from a JSON error body, or the start of the body; short enough for status,
+    and with any bearer token redacted (the caller redacts the API key it knows)."""
     try:
-        doc = json.loads(body)
+        doc = (
+            json.loads(body) if len(body) <= 64 * 1024 and body.count(b"[") + body.count(b"{") <= 64 else None
+        )
         msg = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
         if isinstance(msg, str):
-            return msg[:limit]
+            return snippet(msg, limit=limit)
         if isinstance(doc, dict) and isinstance(doc.get("message"), str):
-            return str(doc["message"])[:limit]
-    except (ValueError, AttributeError):
+            return snippet(str(doc["message"]), limit=limit)
+    except (ValueError, AttributeError, RecursionError):
         pass
-    return body[:limit].decode("utf-8", "replace")
+    return snippet(body, limit=limit)
 
 
 def _over_context(message: str) -> bool:

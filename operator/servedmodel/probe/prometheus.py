@@ -16,13 +16,12 @@ The bearer token is sent as a header and never logged or put in a message.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, Final
 
 import httpx
 
-from . import errors
+from . import bounds, errors
 from .errors import ProbeFailure
 from .metrics import GAUGES, MAX_GAUGES, MetricsSnapshot, snapshot_from_values, wanted_sample_names
 
@@ -78,8 +77,10 @@ def values_from_results(*results: list[dict[str, Any]]) -> dict[str, float]:
 def parse_vector(status: int, body: bytes) -> list[dict[str, Any]]:
     """An instant-vector result of /api/v1/query, or the ProbeFailure its answer amounts to."""
     try:
-        doc = json.loads(body)
-    except ValueError:
+        doc = bounds.loads(body, QUERY_STEP)
+    except ProbeFailure as f:
+        if f.reason != errors.MALFORMED_RESPONSE or status == 200:
+            raise
         doc = None
     if status in (401, 403):
         raise ProbeFailure(errors.UNAUTHORIZED, f"{QUERY_STEP}: HTTP {status} (the bearer token was refused)")
@@ -88,7 +89,7 @@ def parse_vector(status: int, body: bytes) -> list[dict[str, Any]]:
             raise ProbeFailure(errors.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: not Prometheus' API")
         raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{QUERY_STEP}: the answer is not JSON")
     if status != 200 or doc.get("status") != "success":
-        kind, detail = doc.get("errorType") or "error", str(doc.get("error") or "")[:300]
+        kind, detail = doc.get("errorType") or "error", errors.snippet(str(doc.get("error") or ""))
         raise ProbeFailure(errors.UNEXPECTED_STATUS, f"{QUERY_STEP}: HTTP {status}: {kind}: {detail}")
     data = doc.get("data")
     if (
@@ -119,6 +120,7 @@ class PrometheusMetrics:
         self._http = http
         self._url = f"{url.rstrip('/')}/api/v1/query"
         self._headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
+        self._token = bearer_token
         self.model, self.namespace = model, namespace
         self.settle_timeout_s = settle_timeout_s
 
@@ -130,16 +132,28 @@ class PrometheusMetrics:
         attempt = 0
         while True:
             try:
-                async with asyncio.timeout(QUERY_TIMEOUT_S + 1):
-                    r = await self._http.get(self._url, params=params, headers=self._headers, timeout=timeout)
-            except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
-                raise ProbeFailure(
-                    errors.PROBE_TIMEOUT, f"{QUERY_STEP}: no answer within {QUERY_TIMEOUT_S:g} s"
-                ) from None
-            except httpx.TransportError as exc:
-                raise errors.classify_transport_error(exc, QUERY_STEP) from None
+                r = await bounds.request(
+                    self._http,
+                    "GET",
+                    self._url,
+                    QUERY_STEP,
+                    cap=bounds.PROMETHEUS_MAX_BYTES,
+                    deadline_s=QUERY_TIMEOUT_S + 1,
+                    headers=self._headers,
+                    params=params,
+                    read_limits=timeout,
+                )
+            except ProbeFailure as f:
+                if f.reason in (errors.FIRST_BYTE_TIMEOUT, errors.PROBE_TIMEOUT):
+                    raise ProbeFailure(
+                        errors.PROBE_TIMEOUT, f"{QUERY_STEP}: no answer within {QUERY_TIMEOUT_S:g} s"
+                    ) from None
+                raise ProbeFailure(f.reason, errors.redact(f.message, (self._token,))) from None
             if r.status_code not in RETRY_STATUSES or attempt >= RETRIES:
-                return parse_vector(r.status_code, r.content)
+                try:
+                    return parse_vector(r.status_code, r.body)
+                except ProbeFailure as f:
+                    raise ProbeFailure(f.reason, errors.redact(f.message, (self._token,))) from None
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
             attempt += 1
 

@@ -122,9 +122,11 @@ def _window(previous: ProbeWindow | None, out: ProbeOutcome, size: int) -> Probe
 
 def publishable_figures(out: ProbeOutcome) -> ClientFigures | None:
     """The client figures fit to publish: a stream that arrived in one lump has no real TTFT, TPOT or
-    ITL (TPOT ~ 0, TTFT ~ e2e), so only its e2e and door stay."""
+    ITL (TPOT ~ 0, TTFT ~ e2e), so only its e2e and door stay; nor has one read while the probe's own
+    loop was stalled (ProbeOutcome.probe_stall_ms)."""
     f = out.figures
-    if f is None or out.delivery is None or not out.delivery.coalesced:
+    stalled = out.probe_stall_ms is not None  # read late by the prober itself (probe/loop.py)
+    if f is None or (not stalled and (out.delivery is None or not out.delivery.coalesced)):
         return f
     return dataclasses.replace(f, ttft_ms=None, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
 
@@ -194,7 +196,12 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
             f"TTFT {ttft}, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
             f"{f.completion_tokens} tokens, finish_reason {t.finish_reason}"
         )
-    if out.delivery is not None and out.delivery.coalesced:
+    if out.probe_stall_ms is not None:
+        parts.append(
+            f"the probe's own loop was stalled {out.probe_stall_ms:.1f} ms during the stream: "
+            "TTFT/TPOT not measured"
+        )
+    elif out.delivery is not None and out.delivery.coalesced:
         parts.append(f"stream arrived in lumps ({out.delivery.describe()}): TTFT/TPOT not measured")
     phases = _phases(out, server)
     if phases:

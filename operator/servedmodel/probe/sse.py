@@ -24,7 +24,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import MALFORMED_STREAM, ProbeFailure
+from .bounds import JSON_MAX_DEPTH, SSE_LINE_MAX_BYTES, too_deep
+from .errors import (
+    INVALID_ENCODING,
+    MALFORMED_STREAM,
+    RESPONSE_TOO_DEEP,
+    RESPONSE_TOO_LARGE,
+    ProbeFailure,
+    snippet,
+)
 
 # Chunks closer than this came out of one buffer, not out of separate engine steps (the fastest decode
 # steps take about a millisecond).
@@ -36,44 +44,69 @@ class SSEDecoder:
     """Incremental `text/event-stream` decoder: bytes in, complete `data` payloads out.
 
     Handles CRLF/LF, comment lines (':' keep-alives), multi-line data fields and events split
-    across reads.
+    across reads. Linear in the bytes fed: the buffer is a bytearray searched for a newline only from
+    where the last search ended, and consumed lines are cut off once per feed. A line longer than
+    `max_line` bytes (or an event whose data lines add up to more) is ResponseTooLarge; a line that is
+    not UTF-8 is InvalidEncoding.
     """
 
-    _buf: bytes = b""
+    max_line: int = SSE_LINE_MAX_BYTES
+    _buf: bytearray = field(default_factory=bytearray)
+    _scanned: int = 0  # bytes of _buf known to hold no newline
     _data: list[str] = field(default_factory=list)
+    _data_bytes: int = 0
 
     def feed(self, chunk: bytes) -> list[str]:
-        self._buf += chunk
+        buf = self._buf
+        buf += chunk
         out: list[str] = []
+        start = 0
         while True:
-            nl = self._buf.find(b"\n")
+            nl = buf.find(b"\n", max(start, self._scanned))
             if nl < 0:
                 break
-            raw, self._buf = self._buf[:nl], self._buf[nl + 1 :]
-            line = raw.rstrip(b"\r").decode("utf-8", "replace")
-            if line == "":
-                if self._data:
-                    out.append("\n".join(self._data))
-                    self._data = []
-                continue
-            if line.startswith(":"):
-                continue  # comment / keep-alive
-            name, _, value = line.partition(":")
-            if value.startswith(" "):
-                value = value[1:]
-            if name == "data":
-                self._data.append(value)
-            # event:, id:, retry: carry nothing the probe needs
+            self._line(bytes(buf[start:nl]), out)
+            start = nl + 1
+            self._scanned = start
+        if start:
+            del buf[:start]
+        self._scanned = len(buf)
+        if len(buf) > self.max_line:
+            raise ProbeFailure(RESPONSE_TOO_LARGE, f"an SSE line longer than {self.max_line} bytes")
         return out
+
+    def _line(self, raw: bytes, out: list[str]) -> None:
+        if len(raw) > self.max_line:
+            raise ProbeFailure(RESPONSE_TOO_LARGE, f"an SSE line longer than {self.max_line} bytes")
+        try:
+            line = raw.rstrip(b"\r").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProbeFailure(INVALID_ENCODING, f"an SSE line is not UTF-8 (byte {exc.start})") from None
+        if line == "":
+            if self._data:
+                out.append("\n".join(self._data))
+                self._data, self._data_bytes = [], 0
+            return
+        if line.startswith(":"):
+            return  # comment / keep-alive
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data_bytes += len(raw)
+            if self._data_bytes > self.max_line:
+                raise ProbeFailure(RESPONSE_TOO_LARGE, f"an SSE event longer than {self.max_line} bytes")
+            self._data.append(value)
+        # event:, id:, retry: carry nothing the probe needs
 
     def close(self) -> list[str]:
         """End of stream: a last event without its blank line still counts."""
         out: list[str] = []
-        if self._buf.strip():
+        if bytes(self._buf).strip():
             out.extend(self.feed(b"\n"))
         if self._data:
             out.append("\n".join(self._data))
-            self._data = []
+            self._data, self._data_bytes = [], 0
         return out
 
 
@@ -125,16 +158,24 @@ class StreamTiming:
             return
         if self.done:
             raise ProbeFailure(MALFORMED_STREAM, "data after [DONE]")
+        if data.count("[") + data.count("{") > JSON_MAX_DEPTH and too_deep(data.encode()):
+            raise ProbeFailure(
+                RESPONSE_TOO_DEEP, f"chunk {self.events}: JSON nested deeper than {JSON_MAX_DEPTH}"
+            )
         try:
             doc = json.loads(data)
+        except RecursionError:
+            raise ProbeFailure(RESPONSE_TOO_DEEP, f"chunk {self.events}: JSON nested too deep") from None
         except ValueError as exc:
-            raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events} is not JSON: {data[:80]!r}") from exc
+            raise ProbeFailure(
+                MALFORMED_STREAM, f"chunk {self.events} is not JSON: {snippet(data, limit=80)!r}"
+            ) from exc
         if not isinstance(doc, dict):
             raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events} is not a JSON object")
         if "error" in doc:
             err = doc["error"]
             msg = err.get("message") if isinstance(err, dict) else err
-            raise ProbeFailure(MALFORMED_STREAM, f"error event in stream: {str(msg)[:200]}")
+            raise ProbeFailure(MALFORMED_STREAM, f"error event in stream: {snippet(str(msg), limit=200)}")
         choices = doc.get("choices")
         if not isinstance(choices, list):
             raise ProbeFailure(MALFORMED_STREAM, f"chunk {self.events} has no choices list")

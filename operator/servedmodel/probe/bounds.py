@@ -1,0 +1,175 @@
+"""Bounds on everything the probe reads from an engine or Prometheus, and the reply snippets it copies out.
+
+One engine, or one tenant's endpoint, must not be able to hurt the operator, which serves every namespace
+from one process (512 Mi limit): a reply is read through httpx's streaming API with a running total and
+refused past its route's cap, every read has a total deadline (a trickle of one byte every few seconds
+passes every per-read timeout), JSON is refused before the decoder recurses too deep or meets bytes that
+are not UTF-8, and a snippet of a reply that goes to status, Events or the log is short and never holds
+the API key or a bearer token. Each refusal is a ProbeFailure with a reason of its own (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+import httpx
+
+from . import errors
+from .errors import ProbeFailure, snippet
+
+KIB: Final = 1024
+MIB: Final = 1024 * KIB
+
+# Per-route body caps. The largest honest answers, measured or read from vLLM 0.33: /v1/models lists a
+# few models with their permission objects (a few KiB even with hundreds of LoRA adapters), /tokenize
+# returns token ids and strings of the probe's short prompt (a few KiB), error bodies are one JSON object;
+# 1 MiB is far above all of them. vLLM's /metrics is about 40 KiB per model and engine (histogram buckets
+# included); 16 MiB leaves room for hundreds of LoRA adapters or data-parallel engines on one pod. A
+# Prometheus instant vector of the probe's queries has a few dozen series: 4 MiB.
+MODELS_MAX_BYTES: Final = 1 * MIB
+ERROR_BODY_MAX_BYTES: Final = 1 * MIB
+TOKENIZE_MAX_BYTES: Final = 1 * MIB
+CHAT_MAX_BYTES: Final = 1 * MIB  # a non-streamed chat answer (the learned stop, the oversized prompt)
+METRICS_MAX_BYTES: Final = 16 * MIB
+PROMETHEUS_MAX_BYTES: Final = 4 * MIB
+# One SSE line: vLLM's chunk with continuous usage stats is about 300 bytes; a chunk of a slow client
+# catching up can carry many tokens, still far under 64 KiB.
+SSE_LINE_MAX_BYTES: Final = 64 * KIB
+# A stream of max_tokens tokens: its text is at most ~4 bytes a token (the longest tokens of Qwen's and
+# Llama's vocabularies are a few dozen bytes; 64 is generous), its bytes on the wire at most ~2 KiB a
+# token (a chunk per token with id, model name, usage; logprobs are not asked for), and its events at most
+# one per token plus the role, finish, usage and [DONE] events. The slack covers what does not scale.
+STREAM_TEXT_BYTES_PER_TOKEN: Final = 64
+STREAM_WIRE_BYTES_PER_TOKEN: Final = 2 * KIB
+STREAM_SLACK_BYTES: Final = 64 * KIB
+STREAM_SLACK_EVENTS: Final = 64
+# JSON nesting: vLLM's deepest answer (/v1/models' permission list) is 4 levels; json.loads recurses per
+# level and 100,000 levels raise RecursionError, not a probe failure.
+JSON_MAX_DEPTH: Final = 64
+# The whole probe cycle of one model, over all its requests (chat, metrics before and after, the limits
+# and learned-stop requests): a model whose timeout and firstByteTimeout are both 600 s cannot hold a
+# probe slot for half an hour. The chat phase keeps spec.timeout; what follows it shares one more
+# spec.timeout; and neither passes this (OperatorConfig has no field for it yet).
+CYCLE_BUDGET_MAX_S: Final = 300.0
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def stream_caps(max_tokens: int) -> tuple[int, int, int]:
+    """(text bytes, wire bytes, events) a stream of max_tokens tokens may have."""
+    n = max(1, max_tokens)
+    return (
+        n * STREAM_TEXT_BYTES_PER_TOKEN + STREAM_SLACK_BYTES,
+        n * STREAM_WIRE_BYTES_PER_TOKEN + STREAM_SLACK_BYTES,
+        2 * n + STREAM_SLACK_EVENTS,
+    )
+
+
+def too_deep(body: bytes, limit: int = JSON_MAX_DEPTH) -> bool:
+    """Does this JSON nest arrays/objects deeper than `limit`? Linear time, no recursion: strings go,
+    everything but brackets goes, then `limit` rounds each remove the innermost pairs; a pair left after
+    them was deeper. (An unbalanced body is left to the decoder to refuse.)"""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    rest = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        shorter = rest.replace(b"[]", b"").replace(b"{}", b"")
+        if shorter == rest:
+            return False
+        rest = shorter
+    return b"[]" in rest or b"{}" in rest
+
+
+def loads(body: bytes, step: str) -> Any:
+    """JSON of an engine or Prometheus answer: UTF-8 (RFC 8259), at most JSON_MAX_DEPTH deep; every
+    refusal a ProbeFailure with its own reason."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProbeFailure(
+            errors.INVALID_ENCODING, f"{step}: the answer is not UTF-8 (byte {exc.start})"
+        ) from None
+    if too_deep(body):
+        raise ProbeFailure(
+            errors.RESPONSE_TOO_DEEP, f"{step}: JSON nested deeper than {JSON_MAX_DEPTH} levels"
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:  # belt and braces: too_deep is the rule
+        raise ProbeFailure(errors.RESPONSE_TOO_DEEP, f"{step}: JSON nested too deep") from None
+    except ValueError:
+        raise ProbeFailure(
+            errors.MALFORMED_RESPONSE, f"{step}: body is not JSON: {snippet(text, limit=80)!r}"
+        ) from None
+
+
+def decode_text(body: bytes, step: str) -> str:
+    """A text answer (Prometheus exposition: UTF-8) or InvalidEncoding."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProbeFailure(
+            errors.INVALID_ENCODING, f"{step}: the answer is not UTF-8 (byte {exc.start})"
+        ) from None
+
+
+async def read_capped(response: httpx.Response, cap: int, step: str) -> bytes:
+    """The body of a streamed response, at most `cap` bytes (decoded: a gzip bomb counts as what it
+    inflates to); more is ResponseTooLarge and the connection is dropped, not drained."""
+    buf = bytearray()
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: Content-Length {declared} > {cap} bytes")
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) > cap:
+            raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: answer longer than {cap} bytes")
+    return bytes(buf)
+
+
+class Reply:
+    """A whole (bounded) answer: status, headers and body bytes."""
+
+    __slots__ = ("body", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: httpx.Headers, body: bytes) -> None:
+        self.status_code, self.headers, self.body = status_code, headers, body
+
+
+async def request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    step: str,
+    *,
+    cap: int,
+    deadline_s: float,
+    headers: Mapping[str, str] | None = None,
+    json_body: Any = None,
+    params: Mapping[str, str] | None = None,
+    read_limits: httpx.Timeout | None = None,
+) -> Reply:
+    """One non-streamed request whose whole answer (headers and body) must come within `deadline_s`
+    (DeadlineExceeded) and hold at most `cap` bytes (ERROR_BODY_MAX_BYTES for a non-2xx answer);
+    transport errors are classified as the probe's others."""
+    kwargs: dict[str, Any] = {"headers": headers, "params": params}
+    if json_body is not None:
+        kwargs["json"] = json_body
+    if read_limits is not None:
+        kwargs["timeout"] = read_limits
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with client.stream(method, url, **kwargs) as r:
+                limit = cap if 200 <= r.status_code < 300 else min(cap, ERROR_BODY_MAX_BYTES)
+                body = await read_capped(r, limit, step)
+                return Reply(r.status_code, r.headers, body)
+    except TimeoutError:
+        raise ProbeFailure(
+            errors.DEADLINE_EXCEEDED, f"{step}: the whole answer did not come within {deadline_s:g} s"
+        ) from None
+    except httpx.TransportError as exc:
+        raise errors.classify_transport_error(exc, step) from None

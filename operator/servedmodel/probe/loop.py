@@ -1,0 +1,182 @@
+"""The probe's own clock: an event loop in its own thread that does nothing but probe, and lag watches.
+
+A stream is timed by when its chunks are read. On the operator's one event loop, which also parses watch
+events, reconciles and writes status, a chunk that arrived during a 90 ms reconcile burst is read 90 ms
+late, and 16 tokens seen in 0.3 ms become a CoalescedStream that vLLM never sent (issue 21). So the
+request-path probe runs on `ProbeLoop`: a thread with its own asyncio loop, fed by the scheduler on the
+main loop through `submit` (asyncio.run_coroutine_threadsafe + asyncio.wrap_future: cancelling the
+caller cancels the probe). Kubernetes I/O and the scheduler stay on the main loop.
+
+The probe loop can still be held up: by the GIL while the main thread computes (at most the interpreter's
+switch interval, 5 ms, per hand-over) or by many probes at once. `LoopWatch` measures a loop's lag as the
+overshoot of a short sleep; on the probe loop it runs only while a probe is in flight and remembers when
+the loop was stalled, so `stalled_ms(start, end)` says whether a stream was read on time (run_probe marks
+a sample taken during a stall: ProbeOutcome.probe_stall_ms). The main loop's watch runs always, slower.
+Both lags are exported as servedmodel_event_loop_lag_seconds{loop="main"|"probe"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Final, TypeVar
+
+T = TypeVar("T")
+
+# The probe loop's watch: a 10 ms sleep while probes are in flight; a stream during which the loop was
+# held up more than 10 ms past it is not timed on the engine's clock (vLLM's decode steps are 5-50 ms).
+PROBE_WATCH_PERIOD_S: Final = 0.010
+PROBE_STALL_S: Final = 0.010
+MAIN_WATCH_PERIOD_S: Final = 0.100
+STALLS_KEPT: Final = 512
+START_TIMEOUT_S: Final = 10.0
+
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWatch] = weakref.WeakKeyDictionary()
+
+
+def watch_of(loop: asyncio.AbstractEventLoop) -> LoopWatch | None:
+    """The stall watch of `loop` (a ProbeLoop's), or None for a loop nobody watches (tests, the CLI)."""
+    return _WATCHES.get(loop)
+
+
+class LoopWatch:
+    """Lag of the loop it runs on: every `period_s` the overshoot of the sleep is observed (`observe`,
+    e.g. a histogram), and an overshoot over `stall_s` is kept as a stall interval (monotonic ns)."""
+
+    def __init__(
+        self,
+        period_s: float,
+        stall_s: float,
+        observe: Callable[[float], None] | None = None,
+        *,
+        only_while_busy: bool = False,
+    ) -> None:
+        self.period_s, self.stall_s, self.observe = period_s, stall_s, observe
+        self.stalls: collections.deque[tuple[int, int]] = collections.deque(maxlen=STALLS_KEPT)
+        self.max_lag_s = 0.0
+        self._only_while_busy = only_while_busy
+        self._busy = 0
+        self._wake: asyncio.Event | None = None
+
+    def busy(self, delta: int) -> None:
+        """A probe started (+1) or ended (-1) on this loop; call on the loop."""
+        self._busy += delta
+        if self._busy > 0 and self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        period_ns = int(self.period_s * 1e9)
+        while True:
+            if self._only_while_busy and self._busy <= 0:
+                self._wake.clear()
+                await self._wake.wait()
+            t0 = time.monotonic_ns()
+            await asyncio.sleep(self.period_s)
+            t1 = time.monotonic_ns()
+            lag = max(0.0, (t1 - t0 - period_ns) / 1e9)
+            self.max_lag_s = max(self.max_lag_s, lag)
+            if self.observe is not None:
+                self.observe(lag)
+            if lag > self.stall_s:
+                self.stalls.append((t0 + period_ns, t1))
+
+    def stalled_ms(self, start_ns: int, end_ns: int) -> float:
+        """How long, within [start_ns, end_ns], the loop was stalled (ms; 0 when it was not)."""
+        total = 0
+        for a, b in self.stalls:
+            lo, hi = max(a, start_ns), min(b, end_ns)
+            if hi > lo:
+                total += hi - lo
+        return total / 1e6
+
+
+class ProbeLoop:
+    """A thread running an asyncio loop for probes only. `start` and `stop` from the main loop;
+    `submit(coro)` runs the coroutine there and awaits its result here. Not started, `submit` runs the
+    coroutine on the caller's loop (tests that drive cycles themselves, the one-shot CLI)."""
+
+    def __init__(
+        self, name: str = "servedmodel-probe", observe: Callable[[float], None] | None = None
+    ) -> None:
+        self.name = name
+        self.watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S, observe, only_while_busy=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
+
+    def start(self) -> None:
+        """Start the thread and its loop (idempotent); returns once the loop runs."""
+        if self._loop is not None:
+            return
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            _WATCHES[loop] = self.watch
+            watch_task = loop.create_task(self.watch.run(), name="probe-loop-watch")
+            loop.call_soon(ready.set)
+            try:
+                loop.run_forever()
+            finally:
+                watch_task.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(asyncio.gather(watch_task, return_exceptions=True))
+
+        self._thread = threading.Thread(target=main, name=self.name, daemon=True)
+        self._thread.start()
+        if not ready.wait(START_TIMEOUT_S):
+            raise RuntimeError("the probe loop did not start")
+        self._loop = loop
+
+    async def submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the probe loop and wait for it; cancelling this cancels it there."""
+        loop = self._loop
+        if loop is None:
+            return await coro
+        fut = asyncio.run_coroutine_threadsafe(self._busy(coro), loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _busy(self, coro: Coroutine[Any, Any, T]) -> T:
+        self.watch.busy(+1)
+        try:
+            return await coro
+        finally:
+            self.watch.busy(-1)
+
+    async def stop(self, closers: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+        """Cancel what still runs there, run `closers` there (the clients it used), end the thread."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            for close in closers:
+                await close()
+            return
+
+        async def shutdown() -> None:
+            me = asyncio.current_task()
+            watch = [t for t in asyncio.all_tasks() if t.get_name() == "probe-loop-watch"]
+            rest = [t for t in asyncio.all_tasks() if t is not me and t not in watch]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            for close in closers:
+                with contextlib.suppress(Exception):
+                    await close()
+
+        try:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(shutdown(), loop))
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            await asyncio.to_thread(thread.join, START_TIMEOUT_S)
+            if not thread.is_alive():
+                loop.close()
+            self._loop, self._thread = None, None
