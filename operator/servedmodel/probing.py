@@ -8,7 +8,14 @@ which made kopf hold a finalizer on every ServedModel and gave each its own poll
   status.probe.lastProbeTime after an operator restart), so a thousand ServedModels never fire
   together.
 - Concurrency: at most `OperatorConfig.probe_concurrency` cycles run at once; a due model waits for a
-  slot, earliest due first.
+  slot, earliest due first. One namespace holds at most its share of the slots (`namespace_share`,
+  default max(1, slots // 4)): 16 models of one tenant pointed at a listener that never answers leave the
+  other tenants' probes on time. A cycle's requests all fit in probe.client.cycle_budget_s.
+- The probe's clock: each cycle's requests (door, tokenize, /metrics, the timed streams) run on a
+  ProbeLoop (probe/loop.py), an event loop in its own thread that does nothing else, so the main loop's
+  watch events, reconciles and status writes do not become "engine latency". The scheduler, Secrets and
+  every Kubernetes request stay on the main loop. Both loops' lag is exported
+  (servedmodel_event_loop_lag_seconds).
 - Backoff: a model whose cycles fail is probed less often (probe/schedule.next_delay, capped at four
   intervals); its backoff is its own and delays no other model.
 - One status write per cycle at most (server-side apply of status.probe and the probe's conditions with
@@ -62,6 +69,7 @@ from .probe.endpoints import (
     resolve_override,
 )
 from .probe.errors import ProbeFailure
+from .probe.loop import MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
     PodResult,
@@ -74,7 +82,7 @@ from .probe.replicas import (
     stall_verdict,
     summarize,
 )
-from .probe.report import build_status, parse_rfc3339, probe_conditions
+from .probe.report import build_status, parse_rfc3339, probe_conditions, publishable_figures
 from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,9 @@ SERVED_MODEL_KIND: Final = "ServedModel"
 INVALID_SPEC_WAIT_S: Final = 30.0
 CACHE_SYNC_S: Final = 1.0  # how often the loop compares its ServedModels with the cache's
 IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from the cache, stop requests)
+# A namespace's share of the probe slots: max(1, probe_concurrency // NAMESPACE_SHARE_DIVISOR) cycles at
+# once (OperatorConfig has no field for it yet; ProbeScheduler.namespace_share overrides it).
+NAMESPACE_SHARE_DIVISOR: Final = 4
 
 
 Enqueue = Callable[[str, str], object]
@@ -193,6 +204,19 @@ class ProbeMetrics:
             "ServedModels the probe scheduler tracks.",
             registry=registry,
         )
+        self.loop_lag = Histogram(
+            "servedmodel_event_loop_lag_seconds",
+            "Event-loop lag (a short sleep's overshoot): loop=main (watches, reconciles, the scheduler) "
+            "or loop=probe (the probe's own loop, watched while probes run), seconds.",
+            ["loop"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=registry,
+        )
+        self.stalled_samples = Counter(
+            "servedmodel_probe_stalled_samples",
+            "Probe streams read while the probe's own loop was stalled (figures not published).",
+            registry=registry,
+        )
         self.lateness = Histogram(
             "servedmodel_probe_start_lateness_seconds",
             "How long a due probe cycle waited for a concurrency slot, seconds.",
@@ -237,7 +261,9 @@ class ProbeMetrics:
         if out.failure is not None:
             self.failures.labels(namespace, name, out.failure.reason).inc()
             return
-        f = out.figures
+        if out.probe_stall_ms is not None:
+            self.stalled_samples.inc()
+        f = publishable_figures(out)  # not a lump, not read by a stalled prober: the engine's figures
         if f is not None:
             if f.ttft_ms is not None:
                 self.ttft.labels(namespace, name).observe(f.ttft_ms / 1000)
@@ -433,6 +459,14 @@ class ProbeScheduler:
     # Prometheus sources with insecureSkipVerify: one client for all of them, closed with the pool.
     _insecure_http: httpx.AsyncClient | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
+    # Slots one namespace may hold at once (None: max(1, probe_concurrency // NAMESPACE_SHARE_DIVISOR)).
+    namespace_share: int | None = None
+    # Where cycles' requests run (started by start(); not started, on the caller's loop).
+    probe_loop: ProbeLoop = field(default_factory=ProbeLoop)
+    _ns_busy: dict[str, int] = field(default_factory=dict, init=False)
+    # Due models whose namespace held its share: back on the heap when one of its cycles ends.
+    _parked: dict[str, list[tuple[float, int, Key]]] = field(default_factory=dict, init=False)
+    _lag_task: asyncio.Task[None] | None = field(default=None, init=False)
     # Secret values a running cycle sends, per ServedModel: scrubbed from its outcome (`_redacted`).
     _in_use: dict[Key, set[str]] = field(default_factory=dict, init=False)
     _synced: float = field(default=float("-inf"), init=False)
@@ -488,21 +522,35 @@ class ProbeScheduler:
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(max(1, self.config.probe_concurrency))
         self._pool()
+        self.probe_loop.watch.observe = self.metrics.loop_lag.labels("probe").observe
+        self.probe_loop.start()
+        main_watch = LoopWatch(
+            MAIN_WATCH_PERIOD_S, MAIN_WATCH_PERIOD_S, self.metrics.loop_lag.labels("main").observe
+        )
+        self._lag_task = asyncio.get_running_loop().create_task(
+            main_watch.run(), name="probe-main-loop-watch"
+        )
         self._task = asyncio.get_running_loop().create_task(self._run(), name="probe-scheduler")
 
     async def stop(self) -> None:
-        """Cancel the loop and every in-flight cycle, wait for them, close the HTTP client."""
+        """Cancel the loop and every in-flight cycle, wait for them, close the HTTP clients (on the probe
+        loop, whose connections they hold) and end the probe loop's thread."""
         task, self._task = self._task, None
+        lag, self._lag_task = self._lag_task, None
         cycles = [m.task for m in self._models.values() if m.task is not None and not m.task.done()]
-        for t in [*([task] if task else []), *cycles]:
+        for t in [*([task] if task else []), *([lag] if lag else []), *cycles]:
             t.cancel()
-        await asyncio.gather(*([task] if task else []), *cycles, return_exceptions=True)
+        await asyncio.gather(
+            *([task] if task else []), *([lag] if lag else []), *cycles, return_exceptions=True
+        )
+        closers = []
         if self._transport is not None:
-            await self._transport.aclose()
+            closers.append(self._transport.aclose)
             self._transport = None
         if self._insecure_http is not None:
-            await self._insecure_http.aclose()
+            closers.append(self._insecure_http.aclose)
             self._insecure_http = None
+        await self.probe_loop.stop(closers)
 
     def _pool(self) -> httpx.AsyncHTTPTransport:
         if self._transport is None:
@@ -586,6 +634,10 @@ class ProbeScheduler:
                 if self._slots.locked():
                     break
                 heapq.heappop(self._heap)
+                if self._ns_busy.get(key[0], 0) >= self._share():
+                    self._parked.setdefault(key[0], []).append((due, _, key))
+                    continue
+                self._ns_busy[key[0]] = self._ns_busy.get(key[0], 0) + 1
                 await self._slots.acquire()
                 self.metrics.lateness.observe(max(0.0, now - due))
                 model.task = asyncio.get_running_loop().create_task(
@@ -595,8 +647,27 @@ class ProbeScheduler:
             if self._heap and not self._slots.locked():
                 timeout = min(timeout, max(0.0, self._heap[0][0] - self.clock()))
             self._wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for could lose a cancel that came as its
+            # timeout fired (stop() then waited for ever on a loop blocked in bursts); no inner task here.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+
+    def _share(self) -> int:
+        if self.namespace_share is not None:
+            return max(1, self.namespace_share)
+        return max(1, self.config.probe_concurrency // NAMESPACE_SHARE_DIVISOR)
+
+    def _release_namespace(self, namespace: str) -> None:
+        """One of the namespace's cycles ended: its parked due models go back on the heap (stale ones
+        are skipped there as any)."""
+        left = self._ns_busy.get(namespace, 0) - 1
+        if left > 0:
+            self._ns_busy[namespace] = left
+        else:
+            self._ns_busy.pop(namespace, None)
+        for entry in self._parked.pop(namespace, []):
+            heapq.heappush(self._heap, entry)
 
     async def _cycle_task(self, model: _Model) -> None:
         assert self._slots is not None
@@ -614,6 +685,7 @@ class ProbeScheduler:
         finally:
             self.metrics.in_flight.dec()
             self._slots.release()
+            self._release_namespace(model.key[0])
             self._wake.set()
         if not model.removed and self._models.get(model.key) is model:
             self._push(model, self.clock() + delay)
@@ -802,8 +874,15 @@ class ProbeScheduler:
                     reader = prometheus if i == 0 else None
                 else:
                     reader = PodMetrics(http, [t.url], served)
-                return await run_probe(
-                    http, resolve_override(t.url), spec.probe, model=served, api_key=api_key, metrics=reader
+                return await self.probe_loop.submit(
+                    run_probe(
+                        http,
+                        resolve_override(t.url),
+                        spec.probe,
+                        model=served,
+                        api_key=api_key,
+                        metrics=reader,
+                    )
                 )
 
             outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
@@ -1062,13 +1141,15 @@ class ProbeScheduler:
                 self._in_use.pop((namespace, name), None)
                 now = datetime.now(UTC)
                 return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
-            out = await run_probe(
-                http,
-                target,
-                spec.probe,
-                model=spec.resolved_served_model_name,
-                api_key=api_key,
-                metrics=metrics,
+            out = await self.probe_loop.submit(
+                run_probe(
+                    http,
+                    target,
+                    spec.probe,
+                    model=spec.resolved_served_model_name,
+                    api_key=api_key,
+                    metrics=metrics,
+                )
             )
             [out] = self._redacted(namespace, name, out)
             return out
