@@ -27,6 +27,7 @@ from . import scaling
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, ConflictError, KubeClient
+from .k8s.reader import Reader
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
@@ -98,35 +99,22 @@ def parse(body: Mapping[str, Any]) -> ServedModel:
     return ServedModel.from_body({k: v for k, v in body.items() if k != "status"})
 
 
-async def observe(
-    client: KubeClient, cache: Cache, name: str, namespace: str, *, with_route: bool
-) -> Observed:
-    """The engine Deployment, its Pods and the Route: from the watch-fed cache (no request), from the
-    API server only for a kind no watch feeds (the Route on OpenShift).
+async def observe(reader: Reader, name: str, namespace: str, *, with_route: bool) -> Observed:
+    """The engine Deployment, its Pods and the Route, through the Reader: from the watch-fed cache (no
+    request), from the API server only for a kind no watch feeds (the Route on OpenShift).
 
     Nothing is polled: a Deployment whose controller has not yet seen its newest generation is
     reported as it is (see `deployment_lagging`), and its next status update is a watch event that
     enqueues this ServedModel again.
     """
-    dep_name = names.deployment_name(name)
-    if cache.tracks("Deployment"):
-        deployment = cache.get("Deployment", namespace, dep_name)
-    else:
-        deployment = await client.get("apps/v1", "deployments", namespace, dep_name)
-    if cache.tracks("Pod"):
-        pods = cache.list("Pod", namespace, labels=names.selector_labels(name))
-    else:
-        pods = await client.list("v1", "pods", namespace, label_selector=names.selector_string(name))
-    route = None
-    if with_route:
-        route = cache.get("Route", namespace, names.route_name(name)) if cache.tracks("Route") else None
-        if route is None and not cache.tracks("Route"):
-            route = await client.get(ROUTE_API, "routes", namespace, names.route_name(name))
+    deployment = await reader.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+    pods = await reader.list("v1", "pods", namespace, names.selector_labels(name))
+    route = await reader.get(ROUTE_API, "routes", namespace, names.route_name(name)) if with_route else None
     return Observed(deployment=deployment, pods=pods, route=route)
 
 
 async def chat_template(
-    client: KubeClient, cache: Cache, namespace: str, cr: ServedModel
+    reader: Reader, namespace: str, cr: ServedModel
 ) -> tuple[str | None, TemplateMissing | None]:
     """(the digest the pod template carries, why the named template is missing) for
     spec.engine.chatTemplate: the ConfigMap key's digest, the ConfigMap from the cache (labelled ones are
@@ -135,11 +123,8 @@ async def chat_template(
     ref = cr.spec.engine.chat_template
     if ref is None:
         return None, None
-    configmap = cache.get("ConfigMap", namespace, ref.name)
     try:
-        if configmap is None:
-            configmap = await client.get("v1", "configmaps", namespace, ref.name)
-        found = template_digest(configmap, ref)
+        found = template_digest(await reader.get("v1", "configmaps", namespace, ref.name), ref)
     except ApiError as e:
         if e.status == 0:
             raise  # unreachable: the caller backs off
@@ -148,11 +133,7 @@ async def chat_template(
         )
     if isinstance(found, str):
         return found, None
-    dep_name = names.deployment_name(cr.name)
-    if cache.tracks("Deployment"):
-        deployment = cache.get("Deployment", namespace, dep_name)
-    else:
-        deployment = await client.get("apps/v1", "deployments", namespace, dep_name)
+    deployment = await reader.get("apps/v1", "deployments", namespace, names.deployment_name(cr.name))
     return running_digest(deployment), found
 
 
@@ -214,13 +195,12 @@ def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 
 
 async def prune(
-    client: KubeClient,
+    reader: Reader,
     name: str,
     namespace: str,
     uid: str,
     keep: set[tuple[str, str]],
     optional: dict[str, bool],
-    cache: Cache | None = None,
 ) -> list[str]:
     """Delete this ServedModel's children (owner uid) whose (kind, name) is not in `keep`.
 
@@ -229,20 +209,15 @@ async def prune(
     kind, else listed (one request each).
     """
     labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": names.MANAGED_BY}
-    selector = ",".join(f"{k}={v}" for k, v in labels.items())
     kept_kinds = {kind for kind, _ in keep}
     pruned = []
     for api_version, plural, kind in CHILD_KINDS:
         if kind in kept_kinds or not optional.get(api_version, True):
             continue
-        if cache is not None and cache.tracks(kind):
-            found = cache.list(kind, namespace, labels=labels)
-        else:
-            found = await client.list(api_version, plural, namespace, label_selector=selector)
-        for obj in found:
+        for obj in await reader.list(api_version, plural, namespace, labels):
             child = (obj.get("metadata") or {}).get("name", "")
             if (kind, child) not in keep and _owned_by(obj, uid):
-                await client.delete(api_version, plural, namespace, child)
+                await reader.client.delete(api_version, plural, namespace, child)
                 pruned.append(f"{kind}/{child}")
     return pruned
 
@@ -264,13 +239,12 @@ async def hand_over_replicas(client: KubeClient, namespace: str, name: str, fiel
 
 
 async def observe_autoscaler(
-    client: KubeClient,
+    reader: Reader,
     cr: ServedModel,
     observed: Observed,
     previous: Mapping[str, Any] | None,
     *,
     keda: bool,
-    cache: Cache | None = None,
 ) -> dict[str, Any] | None:
     """status.autoscaling from the HPA that scales the Deployment (ours, or the one KEDA makes): from
     the watch-fed cache where HPAs are watched (their status changes enqueue the ServedModel)."""
@@ -278,10 +252,7 @@ async def observe_autoscaler(
         return None
     namespace = cr.metadata.namespace or "default"
     hpa = keda_hpa_name(cr.name) if keda else hpa_name(cr.name)
-    if cache is not None and cache.tracks("HorizontalPodAutoscaler"):
-        found = cache.get("HorizontalPodAutoscaler", namespace, hpa)
-    else:
-        found = await client.get(HPA_API, "horizontalpodautoscalers", namespace, hpa)
+    found = await reader.get(HPA_API, "horizontalpodautoscalers", namespace, hpa)
     before = (previous or {}).get("autoscaling")
     return scaling.autoscaling_status(
         cr.spec,
@@ -339,6 +310,7 @@ async def reconcile(
     retries). ApiError propagates only when the API server cannot be reached or refuses a read.
     """
     cache = cache if cache is not None else Cache()
+    reader = Reader(client, cache)
     meta = body["metadata"]
     name, namespace = str(meta["name"]), str(meta.get("namespace") or "default")
     generation = int(meta.get("generation") or 0)
@@ -363,7 +335,7 @@ async def reconcile(
         }
     template_missing: TemplateMissing | None = None
     if cr is not None and not cr.spec.external:
-        template_digest, template_missing = await chat_template(client, cache, namespace, cr)
+        template_digest, template_missing = await chat_template(reader, namespace, cr)
         ctx = RenderContext.from_config(
             config,
             has_route_api=optional[ROUTE_API],
@@ -378,7 +350,7 @@ async def reconcile(
 
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.
-        observed = await observe(client, cache, name, namespace, with_route=False)
+        observed = await observe(reader, name, namespace, with_route=False)
         desired = compute_status(subject, InvalidSpec(invalid, observed))
         written, changes = await finish(client, cache, config, body, desired, post_events)
         return Outcome(desired, written, changes, invalid_spec=invalid)
@@ -414,7 +386,7 @@ async def reconcile(
                 apply_error = (APPLY_FAILED, f"{ref}: {error.status} {error.reason}: {error.message}")
         if uid and apply_error is None:
             keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
-            pruned = await prune(client, name, namespace, uid, keep, optional, cache)
+            pruned = await prune(reader, name, namespace, uid, keep, optional)
 
     # The probe's Serving condition (its field manager's): a Ready model whose chat requests fail is
     # Degraded. The probe's status write is a ServedModel event, so this pass follows it at once.
@@ -426,7 +398,7 @@ async def reconcile(
         mode = External(cr.spec.endpoint, served_model_name, serving)
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
-        observed = await observe(client, cache, name, namespace, with_route=with_route)
+        observed = await observe(reader, name, namespace, with_route=with_route)
         if reason is None and deployment_lagging(observed):
             # The Deployment controller has not caught up with a change that was not ours (an
             # annotation bumps the generation without a rollout): its status update is a watch event
@@ -436,7 +408,7 @@ async def reconcile(
             mode = ApplyFailed(observed, served_model_name, *apply_error)
         else:
             autoscaling = await observe_autoscaler(
-                client, cr, observed, previous, keda=optional.get(KEDA_API, False), cache=cache
+                reader, cr, observed, previous, keda=optional.get(KEDA_API, False)
             )
             missing = None
             if template_missing is not None:

@@ -257,7 +257,8 @@ async def test_discovery_and_unknown_kinds(api: FakeApiServer, client_for: Calla
         assert await client.discover("route.openshift.io/v1") is False  # 404: not served
         assert await client.discover("monitoring.coreos.com/v1") is True
         assert await client.discover("monitoring.coreos.com/v1") is True  # cached: one request
-        with pytest.raises(ApiError, match="register"):
+        # An unregistered kind is the caller's mistake, never a 404 that could be read as "deleted".
+        with pytest.raises(LookupError, match="register"):
             await client.get("example.io/v1", "widgets", None, "w")
     assert len(api.seen) == 2
 

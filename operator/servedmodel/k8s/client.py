@@ -353,10 +353,9 @@ class KubeClient:
             (api_version, kind_or_plural)
         )
         if found is None:
-            raise NotFoundError(
-                404,
-                "NotFound",
-                f"{kind_or_plural} in {api_version} is not a kind this client knows (register it)",
+            # A programming error, not a 404: a caller must never read "not registered" as "deleted".
+            raise LookupError(
+                f"{kind_or_plural} in {api_version} is not a kind this client knows (register it)"
             )
         return found
 
