@@ -54,3 +54,9 @@ _.num_prefill_computed  # the simulator's ground truth of prompt tokens computed
 
 # The operator image name the manifests and the OLM bundle use; tests/ship/test_wiring.py holds them to it.
 OPERATOR_IMAGE
+# Security (issue 18): a pydantic field validator (OperatorConfig.allowed_targets: a bad entry fails at
+# start-up), wsgiref's log hook (the /metrics server logs no request lines), and the count of API reviews
+# the /metrics authorizer made, which tests/unit/test_metrics_auth.py reads to see the cache work.
+_._parse_targets  # @field_validator, called by pydantic
+_.log_message  # wsgiref.simple_server.WSGIRequestHandler.log_message, called by http.server
+_.reviews  # MetricsAuthorizer.reviews
