@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from servedmodel.probe.errors import MALFORMED_STREAM, ProbeFailure
+from servedmodel.probe.bounds import too_deep
+from servedmodel.probe.errors import (
+    INVALID_ENCODING,
+    MALFORMED_STREAM,
+    RESPONSE_TOO_DEEP,
+    RESPONSE_TOO_LARGE,
+    ProbeFailure,
+)
 from servedmodel.probe.sse import (
     ClientFigures,
     SSEDecoder,
@@ -262,3 +269,60 @@ def test_delivery_flags_a_lump_and_passes_a_live_stream() -> None:
     assert delivery(lumped([0.5] * 15), server_decode_ms=90.0, server_tpot_ms=6.0).coalesced
     assert not delivery(lumped([6.0] * 15), server_decode_ms=90.0, server_tpot_ms=6.0).coalesced
     assert "16 tokens in 16 chunks" in live.describe()
+
+
+def feed_in_pieces(d: SSEDecoder, data: bytes, piece: int) -> None:
+    for i in range(0, len(data), piece):
+        d.feed(data[i : i + piece])
+
+
+def test_decoder_refuses_a_line_over_its_cap_however_it_is_split() -> None:
+    """A line without end is refused once it passes the cap (not after the whole stream), whether it
+    comes in one read or a byte at a time; short lines around it decode as before."""
+    for piece in (70_000, 4096, 1):
+        d = SSEDecoder(max_line=64 * 1024)
+        assert d.feed(b'data: {"a":1}\n\n') == ['{"a":1}']
+        line = b"data: " + b"x" * 70_000
+        with pytest.raises(ProbeFailure) as refused:
+            feed_in_pieces(d, line, piece)
+        assert refused.value.reason == RESPONSE_TOO_LARGE
+        assert len(d._buf) <= 64 * 1024 + piece  # never held more than the cap and one read
+
+
+def test_decoder_scans_each_byte_once() -> None:
+    """Linear: a 60 KiB line fed a byte at a time is searched for a newline from where the last search
+    ended, not from its start each time (the old decoder rescanned, quadratic without newlines)."""
+    d = SSEDecoder()
+    scanned = 0
+    for _ in range(60_000):
+        d.feed(b"x")
+        scanned = max(scanned, d._scanned)
+    assert scanned == 60_000  # the search offset advanced with the buffer
+    assert d.feed(b"\n") == []  # a field without a name: nothing, and the buffer is empty again
+    assert len(d._buf) == 0
+
+
+def test_events_not_utf8_or_nested_too_deep_have_reasons_of_their_own() -> None:
+    d = SSEDecoder()
+    with pytest.raises(ProbeFailure) as bad:
+        d.feed(b'data: {"choices":[{"delta":{"content":"\xff\xfe"}}]}\n\n')
+    assert bad.value.reason == INVALID_ENCODING
+    t = StreamTiming(sent_ns=0)
+    with pytest.raises(ProbeFailure) as deep:
+        t.on_event("[" * 100_000 + "]" * 100_000, 1)
+    assert deep.value.reason == RESPONSE_TOO_DEEP
+
+
+@pytest.mark.parametrize(
+    ("body", "deep"),
+    [
+        (b"[" * 64 + b"]" * 64, False),
+        (b"[" * 65 + b"]" * 65, True),
+        (b'{"a":"' + b"[" * 500 + b'"}', False),  # brackets inside a string do not nest
+        (b'{"a":[' + b"{}," * 1000 + b"{}]}", False),  # many, shallow
+        (b"[" * 100_000, False),  # unbalanced: left to the decoder (MalformedResponse)
+        (b"[" * 100_000 + b"]" * 100_000, True),
+    ],
+)
+def test_json_depth_scan(body: bytes, deep: bool) -> None:
+    assert too_deep(body) is deep
