@@ -27,6 +27,7 @@ from cluster_support import condition, get, served_model, wait_for
 
 import controlplane
 from servedmodel.access import ALLOW_ANNOTATION, SECRET_NOT_ALLOWED, TARGET_NOT_ALLOWED
+from servedmodel.api import names
 
 OperatorProcess = Any  # tests/cluster/conftest.py's (conftests are not importable)
 
@@ -264,3 +265,18 @@ def test_metrics_need_a_token_that_may_get_metrics(
         assert scraper not in op.log()
     finally:
         cp.kubectl("delete", "clusterrolebinding", f"{namespace}-scraper", check=False)
+
+
+def test_the_engine_network_policy_selects_the_engines_and_applies(
+    control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """manifests/policies/engine_network_policy.yaml (opt-in, per model namespace) is accepted by the API
+    server and selects exactly what the operator labels its engine pods with."""
+    path = ROOT / "manifests" / "policies" / "engine_network_policy.yaml"
+    cp = control_plane
+    cp.kubectl("apply", "-n", namespace, "-f", str(path))
+    policy = get(cp, namespace, "networkpolicy", "servedmodel-engines")
+    assert policy is not None
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= names.standard_labels("qwen", "vllm").items()
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [names.ENGINE_PORT_NAME]
