@@ -424,7 +424,8 @@ class ProbeStatus(ApiModel):
     )
     pods: list[PodProbe] | None = Field(
         default=None,
-        max_length=1024,  # spec.replicas' maximum: a shorter list made every probe write of a larger model 422
+        # spec.replicas' maximum: a shorter list made every probe write of a larger model 422.
+        max_length=1024,
         description=(
             "Each engine pod's own probe, by name (managed mode). The top-level figures are the aggregate "
             "over the pods probed in the last cycle: client latencies the median of the serving pods, "
