@@ -27,6 +27,7 @@ from . import scaling
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, ConflictError, KubeClient
+from .k8s.cache import owned_by
 from .k8s.reader import Reader
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
@@ -190,10 +191,6 @@ def _unobserved(deployment: Mapping[str, Any]) -> bool:
     return seen < int((deployment.get("metadata") or {}).get("generation") or 0)
 
 
-def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
-    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
-
-
 async def prune(
     reader: Reader,
     name: str,
@@ -216,7 +213,7 @@ async def prune(
             continue
         for obj in await reader.list(api_version, plural, namespace, labels):
             child = (obj.get("metadata") or {}).get("name", "")
-            if (kind, child) not in keep and _owned_by(obj, uid):
+            if (kind, child) not in keep and owned_by(obj, uid):
                 await reader.client.delete(api_version, plural, namespace, child)
                 pruned.append(f"{kind}/{child}")
     return pruned

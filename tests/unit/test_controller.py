@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from servedmodel.controller import Backoff, Controller, Key, WorkQueue
-from servedmodel.k8s.cache import Cache
+from servedmodel.k8s.cache import Cache, owned_by
 
 
 def obj(kind: str, name: str, ns: str = "a", rv: str = "1", **meta: Any) -> dict[str, Any]:
@@ -57,16 +57,14 @@ def test_cache_ignores_stale_versions_and_slims() -> None:
     assert c.get("Deployment", "a", "d")["metadata"]["resourceVersion"] == "11"  # type: ignore[index]
 
 
-def test_owner_key_and_owner_filter() -> None:
+def test_owner_key_and_owned_by() -> None:
     ref = {"kind": "ServedModel", "name": "m", "uid": "u1", "controller": True}
     child = obj("Service", "m-engine", ownerReferences=[ref])
     assert Cache.owner_key(child) == ("a", "m")
     assert Cache.owner_key(obj("Pod", "p", labels={"app.kubernetes.io/instance": "m"})) == ("a", "m")
     assert Cache.owner_key(obj("Pod", "p")) is None
-    c = Cache()
-    c.upsert("Service", child)
-    c.upsert("Service", obj("Service", "other"))
-    assert [o["metadata"]["name"] for o in c.list("Service", "a", owner_uid="u1")] == ["m-engine"]
+    assert owned_by(child, "u1")
+    assert not owned_by(obj("Service", "other"), "u1")
 
 
 # ---- queue ---------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A watch-fed, in-memory store of Kubernetes objects: what the control loop reads instead of the API server.
 
-Pure (no I/O, no kopf, no clock): the kopf event handlers (handlers/servedmodel.py) feed it every watch
-event of the ServedModels and of the operator's children, and the writers (the reconciler, the probe)
-may write their own responses through (`upsert`) so the next pass does not act on a stale copy.
+Pure (no I/O, no kopf, no clock): the informers (k8s/informer.py) feed it every list and watch event
+of the ServedModels, the operator's children and the chat-template ConfigMaps, and the writers (the
+reconciler, the probe) may write their own responses through (`upsert`) so the next pass does not act
+on a stale copy.
 
 Objects are the API's JSON dicts, stored by kind → namespace → name. `metadata.managedFields` and the
 `kubectl.kubernetes.io/last-applied-configuration` annotation are dropped on the way in: they are large
@@ -19,10 +20,9 @@ a thousand models a scan of every Pod made that quadratic.
 Read API (what the reconciler, the probe scheduler and autoscaling use):
 
 - ``cache.get(kind, namespace, name) -> Obj | None``
-- ``cache.list(kind, namespace=None, *, labels=None, owner_uid=None) -> list[Obj]``: every object of
-  `kind` (one namespace, or all when None) whose labels include every ``labels`` pair (a value of
-  ``None`` only requires the key) and, with `owner_uid`, that has an ownerReference with that uid;
-  sorted by name.
+- ``cache.list(kind, namespace=None, *, labels=None) -> list[Obj]``: every object of `kind` (one
+  namespace, or all when None) whose labels include every ``labels`` pair (a value of ``None`` only
+  requires the key); sorted by name.
 - ``cache.owner_key(obj) -> (namespace, name) | None``: the ServedModel an object belongs to (its
   controller ownerReference of kind ServedModel, else the ``app.kubernetes.io/instance`` label).
 - ``cache.keys(kind) -> list[(namespace, name)]``; ``cache.tracks(kind)``: whether anything feeds it;
@@ -305,7 +305,6 @@ class Cache:
         namespace: str | None = None,
         *,
         labels: Mapping[str, str | None] | None = None,
-        owner_uid: str | None = None,
     ) -> list[Obj]:
         by_ns = self._store.get(kind, {})
         instance = (labels or {}).get(INSTANCE_LABEL)
@@ -319,8 +318,7 @@ class Cache:
             obj
             for bucket in buckets
             for obj in bucket.values()
-            if (labels is None or labels_match(obj, labels))
-            and (owner_uid is None or owned_by(obj, owner_uid))
+            if labels is None or labels_match(obj, labels)
         ]
         out.sort(key=lambda o: (str(_meta(o).get("namespace") or ""), str(_meta(o).get("name"))))
         return out

@@ -75,7 +75,6 @@ class Informer:
     backoff_cap_s: float = BACKOFF_CAP_S
     rng: random.Random = field(default_factory=random.Random)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
-    watching: bool = False  # a watch request is open now
     last_error: str | None = None
     relists: int = 0
     errors: int = 0
@@ -95,7 +94,6 @@ class Informer:
                 failures = 0
                 await self._watch_until_relist()
             except asyncio.CancelledError:
-                self.watching = False
                 raise
             except Exception as e:  # a list that failed: back off and list again
                 failures += 1
@@ -131,7 +129,6 @@ class Informer:
             w = self.watched
             timeout = min(self.watch_timeout_s, max(1.0, relist_at - time.monotonic()))
             try:
-                self.watching = True
                 async for type_, obj in self.client.watch(
                     w.api_version,
                     w.plural,
@@ -143,13 +140,10 @@ class Informer:
                     failures = 0
                     self.last_error = None
                     self._event(type_, obj)
-                self.watching = False
             except GoneError as e:
-                self.watching = False
                 log.info("watch of %s: %s; relisting", self.name, e.message or "410 Gone")
                 return
             except (ApiError, ValueError) as e:  # refused, unreachable, cut mid-way, a garbled line
-                self.watching = False
                 failures += 1
                 await self._failed("watch", e, failures)
 
@@ -208,9 +202,6 @@ class Informers:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-
-    def has_synced(self) -> bool:
-        return all(inf.synced.is_set() for inf in self.informers)
 
     async def wait_synced(self) -> None:
         await asyncio.gather(*(inf.synced.wait() for inf in self.informers))
