@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import resource
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,7 +29,18 @@ MODES = (
     "not-utf8",  # the chat stream's content is not UTF-8
     "endless-line",  # the chat stream: one SSE line that never ends
     "echo-key",  # GET /v1/models: 401 whose body echoes the Authorization header
+    "gzip-bomb",  # GET /v1/models: 64 MB of JSON whitespace, gzip-encoded (~300 KB on the wire)
 )
+_BOMB: list[bytes] = []
+
+
+def gzip_bomb() -> bytes:
+    """64 MB of spaces, gzip-compressed once per process."""
+    if not _BOMB:
+        z = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        parts = [z.compress(CHUNK.replace(b"x", b" ")) for _ in range(64)]
+        _BOMB.append(b"".join(parts) + z.flush())
+    return _BOMB[0]
 
 
 @dataclass
@@ -63,6 +75,10 @@ def app(h: Hostile) -> web.Application:
     async def models(request: web.Request) -> web.StreamResponse:
         if h.mode == "huge-models":
             return await stream_bytes(request, 100 * MB, "application/json")
+        if h.mode == "gzip-bomb":
+            return web.Response(
+                body=gzip_bomb(), headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}
+            )
         if h.mode == "deep-json":
             return web.Response(body=b"[" * 100_000 + b"]" * 100_000, content_type="application/json")
         if h.mode == "echo-key":
@@ -130,6 +146,8 @@ def app(h: Hostile) -> web.Application:
 @contextlib.asynccontextmanager
 async def serve(h: Hostile) -> AsyncIterator[str]:
     """The hostile engine on a free loopback port, on the running loop: its base URL."""
+    if h.mode == "gzip-bomb":
+        gzip_bomb()  # built before the probe's clock runs
     runner = web.AppRunner(app(h), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -57,6 +57,7 @@ async def probe_hostile(h: Hostile) -> tuple[ProbeOutcome, float, float]:
         ("trickle", errors.DEADLINE_EXCEEDED),
         ("not-utf8", errors.INVALID_ENCODING),
         ("endless-line", errors.RESPONSE_TOO_LARGE),
+        ("gzip-bomb", errors.RESPONSE_TOO_LARGE),
     ],
 )
 async def test_hostile_engine_fails_its_own_probe_in_bounded_memory(mode: str, reason: str) -> None:

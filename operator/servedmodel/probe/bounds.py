@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -118,17 +119,34 @@ def decode_text(body: bytes, step: str) -> str:
 
 
 async def read_capped(response: httpx.Response, cap: int, step: str) -> bytes:
-    """The body of a streamed response, at most `cap` bytes (decoded: a gzip bomb counts as what it
-    inflates to); more is ResponseTooLarge and the connection is dropped, not drained."""
+    """The body of a streamed response, at most `cap` bytes; more is ResponseTooLarge and the connection is
+    dropped, not drained. Read raw (the probe asks for identity); a compressed answer sent anyway is
+    inflated here with its output bounded by `cap` too, never whole (httpx's own decoder inflates each
+    read at once: a 64 KiB read of a gzip bomb can become 64 MB)."""
     buf = bytearray()
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: Content-Length {declared} > {cap} bytes")
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_raw():
         buf += chunk
         if len(buf) > cap:
             raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: answer longer than {cap} bytes")
-    return bytes(buf)
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return bytes(buf)
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise ProbeFailure(errors.MALFORMED_RESPONSE, f"{step}: Content-Encoding {encoding!r} not supported")
+    wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
+    try:
+        inflater = zlib.decompressobj(wbits)
+        out = inflater.decompress(bytes(buf), cap + 1)
+    except zlib.error:
+        raise ProbeFailure(
+            errors.MALFORMED_RESPONSE, f"{step}: the {encoding} body does not inflate"
+        ) from None
+    if len(out) > cap or inflater.unconsumed_tail:
+        raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: answer inflates past {cap} bytes")
+    return out
 
 
 class Reply:
@@ -156,7 +174,7 @@ async def request(
     """One non-streamed request whose whole answer (headers and body) must come within `deadline_s`
     (DeadlineExceeded) and hold at most `cap` bytes (ERROR_BODY_MAX_BYTES for a non-2xx answer);
     transport errors are classified as the probe's others."""
-    kwargs: dict[str, Any] = {"headers": headers, "params": params}
+    kwargs: dict[str, Any] = {"headers": {"Accept-Encoding": "identity", **(headers or {})}, "params": params}
     if json_body is not None:
         kwargs["json"] = json_body
     if read_limits is not None:
