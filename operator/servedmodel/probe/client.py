@@ -722,7 +722,7 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     if out.probe_stall_ms is not None and out.delivery.coalesced:
         out.checks["streaming"] = skipped(
             PROBE_LOOP_STALLED,
-            f"the probe's own loop was stalled {out.probe_stall_ms:.1f} ms while the stream was read: "
+            f"the probe's own loop was held up {out.probe_stall_ms:.1f} ms while the stream was read: "
             "the lumps may be the prober's, not the engine's",
         )
     usage_prompt = t.usage.get("prompt_tokens") if t.usage else None

@@ -198,7 +198,8 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
         )
     if out.probe_stall_ms is not None:
         parts.append(
-            f"the probe's own loop was stalled {out.probe_stall_ms:.1f} ms during the stream: "
+            f"the probe's own loop was stalled (held up {out.probe_stall_ms:.1f} ms at once) during the "
+            "stream: "
             "TTFT/TPOT not measured"
         )
     elif out.delivery is not None and out.delivery.coalesced:
