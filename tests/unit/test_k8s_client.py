@@ -466,3 +466,30 @@ def test_in_cluster_service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert ident.namespace == "ops"
     assert isinstance(ident.tokens, identity_module.TokenFile)
     assert asyncio.run(ident.credential()).token == "sa-token"
+
+
+async def test_list_at_retries_a_5xx_and_pages_to_the_lists_resource_version(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    """The informers' list: a 503 is retried like every other request; pages are followed; items get the
+    apiVersion and kind a list leaves out; the answer is the list's resourceVersion, to watch from."""
+    path = "/apis/apps/v1/namespaces/a/deployments"
+    api.on(
+        "GET",
+        path,
+        (503, status_body(503, "ServiceUnavailable", "etcd")),
+        (
+            200,
+            {"metadata": {"continue": "p2", "resourceVersion": "7"}, "items": [{"metadata": {"name": "x"}}]},
+        ),
+        (200, {"metadata": {"resourceVersion": "7"}, "items": [{"metadata": {"name": "y"}}]}),
+    )
+    async with client_for() as client:
+        items, rv = await client.list_at("apps/v1", "deployments", "a", label_selector="k=v")
+    assert rv == "7"
+    assert [(i["kind"], i["apiVersion"], i["metadata"]["name"]) for i in items] == [
+        ("Deployment", "apps/v1", "x"),
+        ("Deployment", "apps/v1", "y"),
+    ]
+    assert [s.query.get("continue") for s in api.seen] == [None, None, "p2"]
+    assert all(s.query["labelSelector"] == "k=v" for s in api.seen)

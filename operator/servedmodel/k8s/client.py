@@ -78,7 +78,8 @@ class UnreachableError(ApiError):
 
 
 class GoneError(ApiError):
-    """410: the resourceVersion a watch asked for is older than the server keeps; list again."""
+    """410: the resourceVersion a watch (or a list's continue token) started from is compacted away;
+    only a new list can say what exists now."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,7 @@ def _error(e: Exception) -> ApiError:
             reason, message = str(body.get("reason") or reason), str(body.get("message") or message)
     else:
         return UnreachableError(0, type(e).__name__, str(e) or type(e).__name__)
-    cls = {404: NotFoundError, 409: ConflictError}.get(code, ApiError)
-    return cls(code, reason, message)
+    return _status_error(code, reason, message)
 
 
 def _status_error(code: int, reason: str, message: str) -> ApiError:
@@ -377,6 +377,8 @@ class KubeClient:
                 return await fn()
             except (lightkube.ApiError, httpx.HTTPError) as e:
                 error = _error(e)
+            except ApiError as e:  # the plain requests' answers (list_at, create, replace)
+                error = e
             if error.status and error.status not in RETRY_STATUSES:
                 raise error
             last = error
@@ -514,7 +516,11 @@ class KubeClient:
                 if not cont:
                     return items, rv
 
-        return await self._call(f"LIST {r.kind} {namespace or '*'}", call)
+        what = f"LIST {r.kind} {namespace or '*'}"
+        try:
+            return await self._call(what, call)
+        except GoneError:  # the continue token expired between two pages: list again from the first
+            return await self._call(what, call)
 
     async def watch(
         self,
