@@ -146,6 +146,9 @@ def operator_as_service_account(
         "SERVEDMODEL_METRICS_PORT": str(metrics_port),
         "SERVEDMODEL_ENDPOINT_OVERRIDE": endpoint_override,
         "PYTHONUNBUFFERED": "1",
+        # As the Deployment's downward API sets it: the Lease lives in the operator's namespace, where
+        # manifests/base/leader_election_role.yaml grants it (and nowhere else).
+        "POD_NAMESPACE": OPERATOR_NS,
     }
     # Nothing may fall back to in-cluster credentials or the admin's kubeconfig.
     env.pop("KUBERNETES_SERVICE_HOST", None)
