@@ -47,6 +47,10 @@ class Running:
     def pid(self) -> int:
         return self.op.pid
 
+    @property
+    def health_port(self) -> int:
+        return self.op.health_port
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 started.clear()
             rows.append(row)
             print(faults.table([row]).splitlines()[-1], flush=True)
+            if row.health_during:
+                print(f"  while the API server was away: {row.health_during}", flush=True)
     print()
     print(faults.table(rows))
     kills = [s for r in rows for s in r.samples]

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import time
 import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ SETTLE_S = 10.0  # watched after convergence for anything recreated or re-applie
 
 class Operator(Protocol):
     proc: subprocess.Popen[bytes]
+    health_port: int
 
     @property
     def pid(self) -> int: ...
@@ -61,6 +63,22 @@ class Row:
     events_per_transition: float = 1.0  # the most Events posted for one (object, reason, message)
     detail: str = ""
     samples: list[float] = field(default_factory=list)  # leader kills: each failover's seconds
+    health_during: str = ""  # what /healthz and /readyz answered while the API server was away
+
+
+def health(op: Operator) -> str:
+    """'healthz <code>, readyz <code>: <first line of its body>'."""
+    out = []
+    for path in ("healthz", "readyz"):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{op.health_port}/{path}", timeout=5) as r:
+                code, body = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            code, body = e.code, e.read().decode()
+        except OSError as e:
+            code, body = 0, str(e)
+        out.append(f"{path} {code}" + (f": {body.splitlines()[0]}" if path == "readyz" and body else ""))
+    return ", ".join(out)
 
 
 def sm_body(name: str, *, probe: bool = False) -> dict[str, Any]:
@@ -294,14 +312,18 @@ def apiserver_restart(cp: controlplane.ControlPlane, start: Start, namespace: st
     rest = burst.submit(create_tolerant, cp, namespace, names[n // 2 :])
     time.sleep(0.5)
     cp.kill("kube-apiserver")
-    time.sleep(20.0)
+    time.sleep(10.0)
+    during = health(op)  # the watches are down: alive, not ready, and it says which watch
+    time.sleep(10.0)
     cp.restart("kube-apiserver")
     rest.result()
     burst.shutdown()
     create_tolerant(cp, namespace, names)  # what the kill refused
     delete(cp, namespace, f"{API}/namespaces/{namespace}/servedmodels", names[: n // 3])
     delete(cp, namespace, f"/apis/apps/v1/namespaces/{namespace}/deployments", [names[-1]])
-    return _finish("API server SIGKILL + restart", cp, namespace, op, time.monotonic(), probing=False)
+    row = _finish("API server SIGKILL + restart", cp, namespace, op, time.monotonic(), probing=False)
+    row.health_during = during
+    return row
 
 
 def create_tolerant(cp: controlplane.ControlPlane, namespace: str, names: Sequence[str]) -> None:

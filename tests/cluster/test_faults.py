@@ -78,7 +78,11 @@ def test_relist_after_a_410_prunes_what_was_deleted_in_the_gap(
 def test_api_server_killed_mid_burst(
     control_plane: controlplane.ControlPlane, namespace: str, start: faults.Start
 ) -> None:
-    check(faults.apiserver_restart(control_plane, start, namespace))
+    row = faults.apiserver_restart(control_plane, start, namespace)
+    check(row)
+    # While it was away: alive (no restart would help), not ready, naming a watch that is down.
+    assert row.health_during.startswith("healthz 200, readyz 503: "), row.health_during
+    assert "/" in row.health_during.split("readyz 503: ")[1], row.health_during  # e.g. "ServedModel/ns: ..."
 
 
 @pytest.mark.parametrize("seconds", [30, 90])
