@@ -187,3 +187,12 @@ class OperatorConfig(BaseSettings):
     retry_period: float = Field(
         default=2.0, gt=0, description="Seconds between tries to take or renew the Lease."
     )
+    probe_sharding: bool = Field(
+        default=False,
+        description=(
+            "Every replica probes a share of the ServedModels (rendezvous hashing over the live replicas, "
+            "each holding a Lease of its own) instead of the leader probing all; reconciles stay the "
+            "leader's. Probe capacity grows with replicas; a replica's death moves its share within one "
+            "lease duration."
+        ),
+    )

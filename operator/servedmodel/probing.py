@@ -448,6 +448,8 @@ class ProbeScheduler:
     metrics: ProbeMetrics = field(default_factory=lambda: ProbeMetrics(CollectorRegistry()))
     cache: Cache | None = None
     enqueue: Enqueue | None = None
+    # With probe sharding (k8s/members.py): whether this replica probes a ServedModel ("ns/name").
+    owns: Callable[[str], bool] | None = None
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     _models: dict[Key, _Model] = field(default_factory=dict, init=False)
@@ -594,7 +596,7 @@ class ProbeScheduler:
         if now - self._synced < CACHE_SYNC_S:
             return
         self._synced = now
-        keys = set(cache.keys(SERVED_MODEL_KIND))
+        keys = {k for k in cache.keys(SERVED_MODEL_KIND) if self.owns is None or self.owns(f"{k[0]}/{k[1]}")}
         for key in keys - set(self._models):
             body = cache.get(SERVED_MODEL_KIND, *key)
             if body is not None:

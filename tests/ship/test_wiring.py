@@ -61,7 +61,11 @@ def test_two_replicas_one_leader() -> None:
     role, binding = yaml.safe_load_all((BASE / "leader_election_role.yaml").read_text())
     assert role["kind"] == "Role"
     assert role["rules"] == [
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "list", "create", "update", "delete"],
+        }
     ]
     assert binding["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
     pdb = load(BASE / "pod_disruption_budget.yaml")

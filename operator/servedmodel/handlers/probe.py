@@ -34,6 +34,7 @@ async def start_scheduler(memo: Any) -> ProbeScheduler:
         metrics=PROBE_METRICS,
         cache=getattr(memo, "cache", None),
         enqueue=_enqueue(memo),
+        owns=getattr(getattr(memo, "membership", None), "owns", None),
     )
     memo.probe_scheduler = scheduler
     await scheduler.start()

@@ -32,6 +32,7 @@ from servedmodel.controller import Controller
 from servedmodel.k8s import Cache, Identity, KubeClient, load_identity
 from servedmodel.k8s.informer import Informer, Informers
 from servedmodel.k8s.leader import LeaderElector
+from servedmodel.k8s.members import Membership
 
 from . import health, metrics
 
@@ -198,6 +199,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         if config.leader_election
         else None
     )
+    membership = memo.membership = (
+        Membership(
+            client,
+            lease_namespace(config, client.identity),
+            lease_name(config, namespaces),
+            elector.identity if elector is not None else holder_identity(),
+            lease_duration_s=config.lease_duration,
+            retry_period_s=config.retry_period,
+        )
+        if config.probe_sharding
+        else None
+    )
     metrics.watch_loop(client, cache, controller, informers, elector)
     bind = getattr(memo, "bind_address", "0.0.0.0")
     memo.metrics_server = metrics.serve(config.metrics_port, bind, metrics.authorizer(config, client))
@@ -211,15 +224,20 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         await controller.start()
         for key in cache.keys("ServedModel"):  # a new leader looks at everything once
             controller.enqueue(*key)
-        await start_scheduler(memo)
+        if membership is None:  # sharded, every replica probes its share, leader or not
+            await start_scheduler(memo)
 
     async def stop_leading() -> None:
-        await stop_scheduler(memo)
+        if membership is None:
+            await stop_scheduler(memo)
         await controller.stop()
 
     async def run() -> None:
         await informers.wait_synced()
         logger.info("caches synced: %s", ", ".join(f"{k} {cache.count(k)}" for k in cache.kinds()))
+        if membership is not None:
+            memo.membership_task = asyncio.create_task(membership.run(), name="servedmodel-membership")
+            await start_scheduler(memo)
         if elector is None:
             await start_leading()
             return
@@ -252,6 +270,10 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         supervisor.cancel()  # stops leading (workers, probe) and releases the Lease
         await asyncio.gather(supervisor, return_exceptions=True)
     await stop_scheduler(memo)
+    membership_task = getattr(memo, "membership_task", None)
+    if isinstance(membership_task, asyncio.Task):
+        membership_task.cancel()  # deletes this replica's Lease: the others take its share
+        await asyncio.gather(membership_task, return_exceptions=True)
     controller = getattr(memo, "controller", None)
     if isinstance(controller, Controller):
         await controller.stop()
