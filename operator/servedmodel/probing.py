@@ -1,7 +1,7 @@
 """The operator-wide probe scheduler: one asyncio task that probes every ServedModel's request path.
 
-No kopf here (handlers/probe.py only starts and stops it). It replaces the per-object kopf daemon,
-which made kopf hold a finalizer on every ServedModel and gave each its own polling loop.
+No kopf here (handlers/probe.py starts and stops it: on the leader, or on every replica with probe
+sharding, where `owns` picks this replica's share). One task for all models, not one per object.
 
 - Due times: each ServedModel has its own, spec.probe.interval apart and jittered ±10 %; a model seen
   for the first time is placed at a random point of its first interval (continuing from its last
@@ -439,7 +439,7 @@ class CycleResult:
 class ProbeScheduler:
     """Probes every tracked ServedModel on its own jittered schedule; see the module docstring.
 
-    Feed it with `track(body)` / `forget(namespace, name)` (the kopf event glue), or give it the cache:
+    Feed it with `track(body)` / `forget(namespace, name)` (tests), or give it the cache:
     every tick it tracks the cache's ServedModel keys and forgets the ones gone from it.
     """
 
