@@ -24,6 +24,7 @@ from typing import Any, Final
 import pydantic
 
 from . import scaling
+from .access import SECRET_NOT_ALLOWED, secret_refusal
 from .api import API_GROUP_VERSION, PLURAL, ServedModel, conditions, names
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, ConflictError, KubeClient
@@ -136,6 +137,62 @@ async def chat_template(
         return found, None
     deployment = await reader.get("apps/v1", "deployments", namespace, names.deployment_name(cr.name))
     return running_digest(deployment), found
+
+
+def secrets_handed_on(
+    cr: ServedModel, config: OperatorConfig, objects: list[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    """(field, Secret name) of each Secret the rendered children hand to code that is not the operator's
+    to vouch for: KEDA reads the TriggerAuthentication's (bearer token, CA), and an engine image the
+    admin did not configure gets the Secrets of its env (API key, HF token). Those need their owner's
+    opt-in as the probe's own Secrets do (servedmodel.access); the admin's engine images do not."""
+    out: list[tuple[str, str]] = []
+    auto = cr.spec.autoscaling
+    if (
+        auto is not None
+        and auto.prometheus is not None
+        and any(o["kind"] == "TriggerAuthentication" for o in objects)
+    ):
+        if auto.prometheus.bearer_token_secret_ref is not None:
+            out.append(
+                (
+                    "spec.autoscaling.prometheus.bearerTokenSecretRef",
+                    auto.prometheus.bearer_token_secret_ref.name,
+                )
+            )
+        if auto.prometheus.ca_secret_ref is not None:
+            out.append(("spec.autoscaling.prometheus.caSecretRef", auto.prometheus.ca_secret_ref.name))
+    image = cr.spec.engine.image
+    if image is not None and image not in {config.vllm_image, config.vllm_cpu_image, config.simulator_image}:
+        if cr.spec.engine.api_key_secret_ref is not None:
+            out.append(("spec.engine.apiKeySecretRef", cr.spec.engine.api_key_secret_ref.name))
+        if cr.spec.hf_token_secret_ref is not None:
+            out.append(("spec.hfTokenSecretRef", cr.spec.hf_token_secret_ref.name))
+    return out
+
+
+async def secrets_refused(
+    client: KubeClient, namespace: str, servedmodel: str, refs: list[tuple[str, str]]
+) -> str | None:
+    """Why the first of `refs` may not be handed on (its owner's opt-in missing, or unreadable), or None.
+    Read at every pass: annotating the Secret takes effect at the ServedModel's next pass."""
+    for spec_field, secret_name in refs:
+        try:
+            secret = await client.get("v1", "secrets", namespace, secret_name)
+        except ApiError as e:
+            if e.status == 0:
+                raise  # unreachable: the caller backs off
+            return (
+                f"{SECRET_NOT_ALLOWED}: {spec_field}: the operator cannot read Secret {secret_name} to check "
+                f"its owner's opt-in ({e.status} {e.reason}); bind servedmodel-operator-secret-reader in "
+                f"{namespace}"
+            )
+        if secret is None:
+            return f"{SECRET_NOT_ALLOWED}: {spec_field}: Secret {secret_name} not found"
+        refusal = secret_refusal(secret, servedmodel, spec_field)
+        if refusal is not None:
+            return f"{refusal.reason}: {refusal.message}"
+    return None
 
 
 def deployment_lagging(observed: Observed) -> bool:
@@ -344,6 +401,10 @@ async def reconcile(
             objects = render(cr, ctx)
         except RenderError as e:
             invalid = str(e)
+        if invalid is None:
+            invalid = await secrets_refused(
+                client, namespace, cr.name, secrets_handed_on(cr, config, objects)
+            )
 
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.

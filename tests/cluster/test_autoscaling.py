@@ -516,8 +516,21 @@ def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(
             },
         }
         try:
+            # KEDA reads the token Secret on the operator's word: only with its owner's opt-in.
+            cp.kubectl("create", "secret", "generic", "keda-token", "-n", namespace, "--from-literal=token=t")
             apply(cp, namespace, served_model(name, **spec))
-            so = wait_for("the ScaledObject", lambda: get(cp, namespace, "scaledobject", name))
+            refused = wait_for(
+                "InvalidSpec naming the Secret",
+                lambda: condition(get(cp, namespace, "servedmodel", name), "InvalidSpec").get("message"),
+            )
+            assert "keda-token" in refused
+            assert "inference.servedmodel.io/allowed-servedmodels" in refused
+            assert get(cp, namespace, "triggerauthentication", f"{name}-prometheus") is None
+            cp.kubectl(
+                "annotate", "secret", "keda-token", "-n", namespace,
+                f"inference.servedmodel.io/allowed-servedmodels={name}",
+            )  # fmt: skip
+            so = wait_for("the ScaledObject", lambda: get(cp, namespace, "scaledobject", name), timeout=90)
             assert so["spec"]["idleReplicaCount"] == 0
             assert so["spec"]["triggers"][0]["metadata"]["query"] == (
                 f'sum(vllm:num_requests_waiting{{namespace="{namespace}",model_name="qwen"}})'

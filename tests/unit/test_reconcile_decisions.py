@@ -74,3 +74,44 @@ def test_deployment_lagging() -> None:
     dep["status"]["observedGeneration"] = 3
     assert not deployment_lagging(Observed(deployment=dep))
     assert not deployment_lagging(Observed())
+
+
+def test_secrets_handed_on_are_keda_s_and_a_custom_image_s() -> None:
+    """The Secrets a ServedModel's children hand to code the operator does not vouch for need their
+    owner's opt-in: KEDA's TriggerAuthentication always, the engine's env only under an image the admin
+    did not configure."""
+    from servedmodel.config import OperatorConfig
+    from servedmodel.reconcile import parse, secrets_handed_on
+
+    config = OperatorConfig()
+    spec: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "resources": {"gpus": 1},
+        "hfTokenSecretRef": {"name": "hf", "key": "token"},
+        "engine": {"apiKeySecretRef": {"name": "key", "key": "k"}},
+    }
+    body = {"apiVersion": "inference.servedmodel.io/v1alpha1", "kind": "ServedModel", "spec": spec}
+    body["metadata"] = {"name": "m", "namespace": "a"}
+    assert secrets_handed_on(parse(body), config, []) == []  # the admin's vLLM image
+    spec["engine"]["image"] = config.vllm_image
+    assert secrets_handed_on(parse(body), config, []) == []
+    spec["engine"]["image"] = "registry.example.com/mine:1"
+    assert secrets_handed_on(parse(body), config, []) == [
+        ("spec.engine.apiKeySecretRef", "key"),
+        ("spec.hfTokenSecretRef", "hf"),
+    ]
+    del spec["engine"]["image"]
+    spec["autoscaling"] = {
+        "maxReplicas": 2,
+        "targets": {"waitingRequestsPerReplica": 4},
+        "prometheus": {
+            "url": "https://thanos-querier.openshift-monitoring.svc:9091",
+            "bearerTokenSecretRef": {"name": "tok", "key": "token"},
+            "caSecretRef": {"name": "tok", "key": "ca.crt"},
+        },
+    }
+    assert secrets_handed_on(parse(body), config, []) == []  # no KEDA: no TriggerAuthentication rendered
+    assert secrets_handed_on(parse(body), config, [{"kind": "TriggerAuthentication"}]) == [
+        ("spec.autoscaling.prometheus.bearerTokenSecretRef", "tok"),
+        ("spec.autoscaling.prometheus.caSecretRef", "tok"),
+    ]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from servedmodel.access import SECRET_NOT_ALLOWED
 from servedmodel.controller import Controller
 from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
 from servedmodel.reconcile import reconcile
@@ -24,6 +25,7 @@ from .startup import operator_config
 log = logging.getLogger("servedmodel.reconcile")
 
 SERVED_MODEL = "ServedModel"
+SECRET_RECHECK_S = 30.0
 
 
 class ApplyFailedError(Exception):
@@ -109,5 +111,9 @@ async def reconcile_key(memo: Any, key: tuple[str, str]) -> None:
         log.info("[%s/%s] status: phase %s", namespace, name, outcome.status.get("phase"))
     if outcome.pruned:
         log.info("[%s/%s] pruned %s", namespace, name, ", ".join(outcome.pruned))
+    if outcome.invalid_spec and outcome.invalid_spec.startswith(SECRET_NOT_ALLOWED):
+        # Fixed outside the spec (the Secret's owner annotates it, nothing the operator watches): look
+        # again every SECRET_RECHECK_S while it is refused.
+        _controller.enqueue(namespace, name, after=SECRET_RECHECK_S)
     if outcome.apply_error:
         raise ApplyFailedError(outcome.apply_error)
