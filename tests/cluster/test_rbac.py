@@ -255,6 +255,8 @@ def test_full_cycle_as_the_service_account(cluster: controlplane.ControlPlane, t
         ("update", "customresourcedefinitions"),
         ("create", "serviceaccounts/token", "-n", OPERATOR_NS),
         ("delete", "servedmodels.inference.servedmodel.io", "-n", "default"),
+        ("patch", "servedmodels.inference.servedmodel.io", "-n", "default"),  # only their status
+        ("update", "leases.coordination.k8s.io", "-n", "default"),  # Leases: its own namespace only
         ("create", "servedmodels.inference.servedmodel.io", "-n", "default"),
         ("update", "deployments.apps", "-n", "default"),
         ("create", "daemonsets.apps", "-n", "kube-system"),
@@ -286,7 +288,8 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
         ("watch", "services", "--all-namespaces"),
         ("watch", "persistentvolumeclaims", "--all-namespaces"),
         ("watch", "pods", "--all-namespaces"),
-        ("patch", "servedmodels.inference.servedmodel.io", "-n", "default"),  # the legacy finalizer
+        # Leader election: its Lease, in the operator's namespace only (a Role).
+        ("update", "leases.coordination.k8s.io", "-n", OPERATOR_NS),
         ("create", "events", "-n", "default"),
         ("watch", "configmaps", "--all-namespaces"),  # chat templates (label-filtered watch)
         ("get", "configmaps", "-n", "default"),
@@ -428,7 +431,7 @@ def test_api_key_secret_is_read_only_where_granted(
 # (system:basic-user, system:discovery, system:public-info-viewer: self reviews, /api, /healthz, …).
 EXPECTED_RIGHTS = {
     ("customresourcedefinitions.apiextensions.k8s.io", "[list watch]"),
-    ("servedmodels.inference.servedmodel.io", "[get list watch patch]"),
+    ("servedmodels.inference.servedmodel.io", "[get list watch]"),
     ("servedmodels.inference.servedmodel.io/status", "[patch]"),
     ("servedmodels.inference.servedmodel.io/finalizers", "[update]"),
     ("deployments.apps", "[get list watch create patch delete]"),
