@@ -123,6 +123,12 @@ async def read_capped(response: httpx.Response, cap: int, step: str) -> bytes:
     dropped, not drained. Read raw (the probe asks for identity); a compressed answer sent anyway is
     inflated here with its output bounded by `cap` too, never whole (httpx's own decoder inflates each
     read at once: a 64 KiB read of a gzip bomb can become 64 MB)."""
+    if response.is_stream_consumed:
+        # An event hook of the caller's client read it already (httpx decoded it, whole): bounded after
+        # the fact, as it is. The probe's own clients have no such hook.
+        if len(response.content) > cap:
+            raise ProbeFailure(errors.RESPONSE_TOO_LARGE, f"{step}: answer longer than {cap} bytes")
+        return response.content
     buf = bytearray()
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
