@@ -279,7 +279,8 @@ def test_what_the_operator_must_not_do(cluster: controlplane.ControlPlane, args:
     "args",
     [
         ("watch", "servedmodels.inference.servedmodel.io", "--all-namespaces"),
-        ("patch", "servedmodels.inference.servedmodel.io/status", "-n", "default"),
+        # The subresource (a "/status" suffix would name an object called status).
+        ("patch", "servedmodels.inference.servedmodel.io", "--subresource=status", "-n", "default"),
         ("patch", "deployments.apps", "-n", "default"),
         ("list", "pods", "--all-namespaces"),
         ("patch", "pods", "--subresource=status", "-n", "default"),  # the probe's readiness gate
