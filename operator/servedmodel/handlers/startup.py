@@ -186,12 +186,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     for w in watches.WATCHES:
         cache.track(w.kind)
     informers.start()
+    # The Lease's place and this process's name in it: shared by leader election and probe sharding.
+    group_namespace, group, identity = (
+        lease_namespace(config, client.identity),
+        lease_name(config, namespaces),
+        holder_identity(),
+    )
     elector = memo.elector = (
         LeaderElector(
             client,
-            lease_namespace(config, client.identity),
-            lease_name(config, namespaces),
-            holder_identity(),
+            group_namespace,
+            group,
+            identity,
             lease_duration_s=config.lease_duration,
             renew_deadline_s=config.renew_deadline,
             retry_period_s=config.retry_period,
@@ -202,9 +208,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     membership = memo.membership = (
         Membership(
             client,
-            lease_namespace(config, client.identity),
-            lease_name(config, namespaces),
-            elector.identity if elector is not None else holder_identity(),
+            group_namespace,
+            group,
+            identity,
             lease_duration_s=config.lease_duration,
             retry_period_s=config.retry_period,
         )
@@ -224,7 +230,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         await controller.start()
         for key in cache.keys("ServedModel"):  # a new leader looks at everything once
             controller.enqueue(*key)
-        if membership is None:  # sharded, every replica probes its share, leader or not
+        if membership is None:  # with sharding, run() starts every replica's share, leader or not
             await start_scheduler(memo)
 
     async def stop_leading() -> None:
