@@ -69,7 +69,7 @@ from .probe.endpoints import (
     resolve_override,
 )
 from .probe.errors import ProbeFailure
-from .probe.loop import MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
+from .probe.loop import GC_WATCH, MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
     PodResult,
@@ -212,6 +212,14 @@ class ProbeMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=registry,
         )
+        self.gc_pause = Histogram(
+            "servedmodel_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, which stop every thread of the operator "
+            "(the probe's loop included), by generation, seconds.",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
         self.stalled_samples = Counter(
             "servedmodel_probe_stalled_samples",
             "Probe streams read while the probe's own loop was stalled (figures not published).",
@@ -261,7 +269,7 @@ class ProbeMetrics:
         if out.failure is not None:
             self.failures.labels(namespace, name, out.failure.reason).inc()
             return
-        if out.probe_stall_ms is not None:
+        if out.probe_stall_first_token or out.probe_stall_decode:
             self.stalled_samples.inc()
         f = publishable_figures(out)  # not a lump, not read by a stalled prober: the engine's figures
         if f is not None:
@@ -526,9 +534,15 @@ class ProbeScheduler:
         self._pool()
         self.probe_loop.watch.observe = self.metrics.loop_lag.labels("probe").observe
         self.probe_loop.start()
-        main_watch = LoopWatch(
-            MAIN_WATCH_PERIOD_S, MAIN_WATCH_PERIOD_S, self.metrics.loop_lag.labels("main").observe
-        )
+        GC_WATCH.install()
+        main_lag = self.metrics.loop_lag.labels("main")
+
+        def observe_main(lag_s: float) -> None:
+            main_lag.observe(lag_s)
+            for generation, pause_s in GC_WATCH.drain():
+                self.metrics.gc_pause.labels(str(generation)).observe(pause_s)
+
+        main_watch = LoopWatch(MAIN_WATCH_PERIOD_S, MAIN_WATCH_PERIOD_S, observe_main)
         self._lag_task = asyncio.get_running_loop().create_task(
             main_watch.run(), name="probe-main-loop-watch"
         )
@@ -553,6 +567,7 @@ class ProbeScheduler:
             closers.append(self._insecure_http.aclose)
             self._insecure_http = None
         await self.probe_loop.stop(closers)
+        GC_WATCH.uninstall()
 
     def _pool(self) -> httpx.AsyncHTTPTransport:
         if self._transport is None:

@@ -166,6 +166,40 @@ def test_coalesced_stream_writes_no_ttft_tpot_itl() -> None:
     assert "lumps" in (st.message or "")
 
 
+@pytest.mark.parametrize(
+    ("first_token", "decode", "kept", "words"),
+    [
+        (False, True, {"ttft"}, "while the tokens came: TPOT/ITL not measured"),
+        (True, True, set(), "before the first token was read: TTFT/TPOT not measured"),
+        (True, False, set(), "before the first token was read: TTFT/TPOT not measured"),
+        (False, False, {"ttft", "tpot", "itl"}, None),  # a stall after the last token takes nothing
+    ],
+)
+def test_a_probe_loop_stall_takes_only_the_figures_it_overlapped(
+    first_token: bool, decode: bool, kept: set[str], words: str | None
+) -> None:
+    """Read while the probe's own loop was stalled: a stall before the first token was read takes TTFT
+    and TPOT (which runs from it), one while the tokens came only TPOT and ITL; the message names the
+    garbage collector when a collection was inside the stall."""
+    out = outcome(20.0, 5.0, T0)
+    out.probe_stall_ms, out.probe_stall_first_token, out.probe_stall_decode = 193.0, first_token, decode
+    out.probe_stall_gc = (190.2, 2)
+    st = build_status(out, ProbeSpec(), None)
+    assert st.client is not None
+    figures = {"ttft": st.client.ttft_ms, "tpot": st.client.tpot_ms, "itl": st.client.itl_p50_ms}
+    assert {k for k, v in figures.items() if v is not None} == kept
+    assert st.client.e2e_ms is not None
+    assert st.window is not None
+    assert st.window.recent_ttft_ms == ([20.0] if "ttft" in kept else [])
+    if words is None:
+        assert "stalled" not in (st.message or "")
+    else:
+        assert words in (st.message or ""), st.message
+        assert "held up 193.0 ms at once; Python's garbage collector, generation 2, 190.2 ms of it" in (
+            st.message or ""
+        )
+
+
 def test_handoff_is_ttft_minus_queue_and_prefill() -> None:
     out = outcome(20.0, 5.0, T0)
     assert out.window is not None

@@ -41,7 +41,7 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
-from .loop import watch_of
+from .loop import GC_WATCH, watch_of
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import ClientFigures, Delivery, SSEDecoder, StreamTiming, client_figures, delivery
 
@@ -164,8 +164,13 @@ class ProbeOutcome:
     learned_stop: LearnedStop | None = None
     cached_prompt_tokens: int | None = None  # prefix-cache hits of the probe's prompt(s)
     # How long the probe's own loop was stalled while its streams were read (ms; None: not stalled or
-    # not watched). A stalled sample's TTFT/TPOT/ITL are the prober's, not the engine's: not published.
+    # not watched). What a stall overlapped is the prober's, not the engine's, and is not published: a
+    # stall before the first token was read takes TTFT and TPOT (TPOT runs from it), one while the
+    # tokens came takes TPOT and ITL only. probe_stall_gc: the garbage collection inside it (ms, gen).
     probe_stall_ms: float | None = None
+    probe_stall_first_token: bool = False
+    probe_stall_decode: bool = False
+    probe_stall_gc: tuple[float, int] | None = None
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
 
     @property
@@ -593,16 +598,23 @@ async def run_probe(
 
 
 def _mark_stall(out: ProbeOutcome, loop: asyncio.AbstractEventLoop) -> None:
-    """probe_stall_ms when the loop's watch (a ProbeLoop's) saw a stall while the streams were read.
-    Called after the metrics settled: the watch has woken up from a stall at the stream's very end."""
+    """The probe_stall_* fields when the loop's watch (a ProbeLoop's) saw a stall while the streams were
+    read. Called after the metrics settled: the watch has woken up from a stall at the stream's very end."""
     watch = watch_of(loop)
     if watch is None or not out.timings:
         return
     start = min(t.sent_ns for t in out.timings)
     end = max(t.done_ns or t.last_event_ns or t.sent_ns for t in out.timings)
     stalled = watch.stalled_ms(start, end)
-    if stalled > 0:
-        out.probe_stall_ms = stalled
+    if stalled <= 0:
+        return
+    out.probe_stall_ms = stalled
+    for t in out.timings:
+        first, last = t.first_token_ns, t.last_token_ns
+        out.probe_stall_first_token |= watch.stalled_ms(t.sent_ns, first if first is not None else end) > 0
+        if first is not None and last is not None and last > first:
+            out.probe_stall_decode |= watch.stalled_ms(first, last) > 0
+    out.probe_stall_gc = GC_WATCH.longest(start, end)
 
 
 def _redact(out: ProbeOutcome, api_key: str | None) -> None:
@@ -719,7 +731,7 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
     out.cached_prompt_tokens = _cached_prompt_tokens(out)
     out.checks["streaming"] = check_streaming(out.delivery)
-    if out.probe_stall_ms is not None and out.delivery.coalesced:
+    if (out.probe_stall_first_token or out.probe_stall_decode) and out.delivery.coalesced:
         out.checks["streaming"] = skipped(
             PROBE_LOOP_STALLED,
             f"the probe's own loop was held up {out.probe_stall_ms:.1f} ms while the stream was read: "

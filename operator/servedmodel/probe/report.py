@@ -122,13 +122,37 @@ def _window(previous: ProbeWindow | None, out: ProbeOutcome, size: int) -> Probe
 
 def publishable_figures(out: ProbeOutcome) -> ClientFigures | None:
     """The client figures fit to publish: a stream that arrived in one lump has no real TTFT, TPOT or
-    ITL (TPOT ~ 0, TTFT ~ e2e), so only its e2e and door stay; nor has one read while the probe's own
-    loop was stalled (ProbeOutcome.probe_stall_ms)."""
+    ITL (TPOT ~ 0, TTFT ~ e2e), so only its e2e and door stay; nor has what was read while the probe's
+    own loop was stalled (probe/loop.py): before the first token, TTFT and TPOT; while tokens came, TPOT
+    and ITL (TTFT was read before the stall and stays)."""
     f = out.figures
-    stalled = out.probe_stall_ms is not None  # read late by the prober itself (probe/loop.py)
-    if f is None or (not stalled and (out.delivery is None or not out.delivery.coalesced)):
-        return f
-    return dataclasses.replace(f, ttft_ms=None, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
+    if f is None:
+        return None
+    stalled = out.probe_stall_first_token or out.probe_stall_decode
+    if not stalled and out.delivery is not None and out.delivery.coalesced:
+        return dataclasses.replace(f, ttft_ms=None, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
+    if out.probe_stall_first_token:
+        f = dataclasses.replace(f, ttft_ms=None)
+    if stalled:
+        f = dataclasses.replace(f, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
+    return f
+
+
+def stall_text(out: ProbeOutcome) -> str | None:
+    """'the probe's own loop was stalled (held up 193.0 ms at once; Python's garbage collector, generation
+    2, 190.2 ms of it) while the tokens came: TPOT/ITL not measured', or None when no stall mattered."""
+    if out.probe_stall_ms is None or not (out.probe_stall_first_token or out.probe_stall_decode):
+        return None
+    cause = ""
+    if out.probe_stall_gc is not None:
+        gc_ms, generation = out.probe_stall_gc
+        cause = f"; Python's garbage collector, generation {generation}, {gc_ms:.1f} ms of it"
+    if out.probe_stall_first_token:
+        where, lost = "before the first token was read", "TTFT/TPOT not measured"
+    else:
+        where, lost = "while the tokens came", "TPOT/ITL not measured"
+    held = f"held up {out.probe_stall_ms:.1f} ms at once{cause}"
+    return f"the probe's own loop was stalled ({held}) {where}: {lost}"
 
 
 def handoff_ms(ph: Mapping[str, float]) -> float | None:
@@ -196,12 +220,9 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
             f"TTFT {ttft}, TPOT {tpot}, e2e {f.e2e_ms or 0:.1f} ms, "
             f"{f.completion_tokens} tokens, finish_reason {t.finish_reason}"
         )
-    if out.probe_stall_ms is not None:
-        parts.append(
-            f"the probe's own loop was stalled (held up {out.probe_stall_ms:.1f} ms at once) during the "
-            "stream: "
-            "TTFT/TPOT not measured"
-        )
+    stall = stall_text(out)
+    if stall is not None:
+        parts.append(stall)
     elif out.delivery is not None and out.delivery.coalesced:
         parts.append(f"stream arrived in lumps ({out.delivery.describe()}): TTFT/TPOT not measured")
     phases = _phases(out, server)

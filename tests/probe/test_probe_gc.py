@@ -1,0 +1,118 @@
+"""Python's garbage collector stops every thread, the probe's own loop included (probe/loop.py): a full
+collection while a stream is read is found by the probe loop's watch, named in the sample, and takes only
+the figures it overlapped; freeze_heap keeps what exists at start-up out of every later collection.
+
+A real collection over real garbage, a real ProbeLoop and the simulator over loopback (25 ms engine steps:
+40 tokens of decode take ~1 s, time for a collection to land while they come)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loopback import SIM_ARGS
+from servedmodel.api.probe import ProbeSpec
+from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
+from servedmodel.probe.endpoints import resolve_external
+from servedmodel.probe.loop import GC_WATCH, PROBE_STALL_S, ProbeLoop, freeze_heap
+from servedmodel.probe.report import build_status
+from servedmodel.sim.process import SimulatorProcess
+
+STEP_MS = 25
+# Enough tracked containers that one full collection walks well past the probe loop's stall threshold
+# (~1 µs each, ~0.5 s in all on a 2-core machine; measured before the collection, never assumed).
+GARBAGE = 1_500_000
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Iterator[SimulatorProcess]:
+    assert SIM_ARGS[-2] == "--sim-step-base-ms"
+    with SimulatorProcess([*SIM_ARGS[:-2], "--sim-step-base-ms", str(STEP_MS)], ready_timeout=60) as s:
+        yield s
+
+
+@pytest.fixture
+def gc_watched() -> Iterator[None]:
+    GC_WATCH.install()
+    yield
+    GC_WATCH.uninstall()
+
+
+async def probe_on(loop: ProbeLoop, url: str, spec: ProbeSpec) -> ProbeOutcome:
+    target = resolve_external(url)
+
+    async def run() -> ProbeOutcome:  # the client made, used and closed on the probe loop, as in operation
+        async with probe_client(spec) as client:
+            return await run_probe(
+                client, target, spec, model="qwen", metrics=PodMetrics(client, target.metrics_urls, "qwen")
+            )
+
+    return await loop.submit(run())
+
+
+def running(sim: SimulatorProcess) -> bool:
+    text = httpx.get(f"{sim.base_url}/metrics", timeout=5).text
+    return any(
+        line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
+        for line in text.splitlines()
+    )
+
+
+async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_ttft(
+    slow_sim: SimulatorProcess, gc_watched: None
+) -> None:
+    spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
+    garbage = [[i] for i in range(GARBAGE)]  # tracked, unfrozen: the collector walks every one
+    loop = ProbeLoop()
+    loop.start()
+    try:
+        task = asyncio.create_task(probe_on(loop, slow_sim.base_url, spec))
+        # the engine has the request: its first token comes within a step or two, decode lasts ~1 s
+        for _ in range(500):
+            if await asyncio.to_thread(running, slow_sim):
+                break
+            await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the probe's request never ran on the simulator")
+        await asyncio.sleep(6 * STEP_MS / 1000)
+        t0 = time.monotonic()
+        gc.collect()  # on this (the main) thread: the probe's thread waits all the same
+        pause_s = time.monotonic() - t0
+        out = await task
+    finally:
+        await loop.stop()
+    del garbage
+    assert pause_s > 2 * PROBE_STALL_S, f"the collection took only {pause_s * 1000:.0f} ms: no stall to find"
+    assert out.failure is None, out.failure
+    assert out.probe_stall_ms is not None
+    assert out.probe_stall_ms >= pause_s * 1000 * 0.5
+    assert (out.probe_stall_first_token, out.probe_stall_decode) == (False, True)
+    assert out.probe_stall_gc is not None
+    assert out.probe_stall_gc[1] == 2
+    st = build_status(out, spec, None)
+    assert st.client is not None
+    assert st.client.ttft_ms is not None
+    assert st.client.ttft_ms > 0
+    assert (st.client.tpot_ms, st.client.itl_p50_ms) == (None, None)
+    assert "Python's garbage collector, generation 2" in (st.message or ""), st.message
+
+
+def test_frozen_objects_are_out_of_every_later_full_collection() -> None:
+    """What exists when freeze_heap runs (the operator's imports and first lists) is moved to the
+    collector's permanent generation, which no collection walks; what is made later is still collected."""
+    kept = [[i] for i in range(1000)]
+    try:
+        assert freeze_heap() >= len(kept)
+        walked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a full collection walks
+        assert not any(id(o) in walked for o in kept)
+        later: list[object] = []
+        later.append(later)  # a cycle made after the freeze
+        assert id(later) in {id(o) for o in gc.get_objects()}
+    finally:
+        gc.unfreeze()  # the rest of the session's tests collect as usual
+    assert id(kept[0]) in {id(o) for o in gc.get_objects()}
