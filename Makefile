@@ -66,9 +66,10 @@ lint: install
 deadcode: install
 	$(BIN)/vulture
 
-## Regenerate crds/ from the pydantic models, and the OLM bundle (manifests/bundle/) that copies it.
+## Regenerate crds/ and docs/reference.md from the pydantic models, and the OLM bundle (manifests/bundle/).
 crd: install
 	$(BIN)/servedmodel crd > crds/inference.servedmodel.io_servedmodels.yaml
+	$(BIN)/servedmodel crd --markdown > docs/reference.md
 	$(BIN)/python hack/gen_bundle.py
 
 ## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.

@@ -51,7 +51,7 @@ from pydantic import BaseModel, ValidationError
 from . import access, scaling
 from .api import API_GROUP_VERSION, PLURAL
 from .api.base import Key, Obj
-from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, SERVING
+from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, PROBE_UNRELIABLE, SERVING
 from .api.conditions import find as find_condition
 from .api.names import selector_labels, selector_string
 from .api.probe import ProbeSpec, ProbeStatus
@@ -72,6 +72,7 @@ from .probe.errors import ProbeFailure
 from .probe.loop import GC_WATCH, MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
+    PROBE_LOOP_STALLED,
     PodResult,
     Window,
     aggregate,
@@ -781,7 +782,7 @@ class ProbeScheduler:
         )
         result.pods = probed
         if probed:
-            await self._after_pods(model, body, spec, probed, plan, status, patch)
+            await self._after_pods(model, body, spec, probed, plan, status, new, patch)
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
@@ -953,15 +954,18 @@ class ProbeScheduler:
         probed: list[PodResult],
         plan: _Plan | None,
         status: Mapping[str, Any],
+        new: ProbeStatus,
         patch: dict[str, Any],
     ) -> None:
-        """Readiness-gate writes (pods/status), and Events for every pod whose Serving changed and for
-        EngineStalled / KVCachePressure turning True."""
+        """Readiness-gate writes (pods/status, with the spec's thresholds over the counts in `new`'s
+        pods), and Events for every pod whose Serving changed and for EngineStalled / KVCachePressure /
+        ProbeUnreliable turning True."""
         namespace, name = model.key
         if model.removed or plan is None:
             return
         previous = previous_probe_status(status, model.last_status)
         before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
+        entries = {p.name: p for p in new.pods or []}
         now = datetime.now(UTC)
         for r in probed:
             pod = plan.pods.get(r.name)
@@ -978,8 +982,16 @@ class ProbeScheduler:
                     if not r.serving
                     else f"{name}: a real chat completion succeeded",
                 )
-            if spec.probe.readiness_gate:
-                cond = gate_condition(r, pod, now)
+            entry = entries.get(r.name)
+            if spec.probe.readiness_gate and entry is not None:
+                cond = gate_condition(
+                    r,
+                    entry,
+                    pod,
+                    now,
+                    failure_threshold=spec.probe.failure_threshold,
+                    success_threshold=spec.probe.success_threshold,
+                )
                 if cond is not None:
                     try:
                         written_pod = await self.kube.apply_status(
@@ -1001,7 +1013,11 @@ class ProbeScheduler:
             old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
         for c in patch["conditions"]:
             was = (old_conds.get(c["type"]) or {}).get("status")
-            if c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE) and c["status"] == "True" and was != "True":
+            # a stall of the probe's own loop alone is the machine's noise: in status, not an Event
+            warned = c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE) or (
+                c["type"] == PROBE_UNRELIABLE and c["reason"] != PROBE_LOOP_STALLED
+            )
+            if warned and c["status"] == "True" and was != "True":
                 await self._event(body, "Warning", c["type"], c["message"])
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))

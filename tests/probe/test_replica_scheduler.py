@@ -34,7 +34,7 @@ def sims() -> Iterator[list[SimulatorProcess]]:
 def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProcess], tmp_path: Path) -> None:
     mapping = tmp_path / "override"
     # Written after the scheduler exists: the file is read at every cycle.
-    body = served_model(readinessGate=True, firstByteTimeout=2, timeout=10)
+    body = served_model(readinessGate=True, firstByteTimeout=2, timeout=10, failureThreshold=3)
     cluster = Cluster(body, [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS)])
 
     async def main() -> None:
@@ -71,7 +71,14 @@ def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProces
             assert stall["status"] == "True"
             assert stall["message"].startswith(f"pod {PODS[2]}: requests waiting while nothing runs")
             assert "waiting 1" in stall["message"]
-            assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
+            # failureThreshold 3: the pod's first and second failed cycles leave it in the Service
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            assert probe["pods"][2]["consecutiveFailures"] == 1
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            stalled = await sched.run_cycle(("ns", "qwen"))
+            assert cluster.body["status"]["probe"]["pods"][2]["consecutiveFailures"] == 3
+            assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]  # the third in a row
             assert cluster.gate_writes[-1][0] == PODS[2]
             assert ("ServedModel", "qwen", "EngineStalled") in [e[:3] for e in cluster.events]
             assert ("Pod", PODS[2], "ReplicaNotServing") in [e[:3] for e in cluster.events]
@@ -90,9 +97,47 @@ def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProces
             # a fourth cycle with nothing changed on the pods writes no pod condition at all
             await sched.run_cycle(("ns", "qwen"))
             assert len(cluster.gate_writes) == writes + 1
-            assert len(cluster.writes) == 4  # one per cycle that probed
+            assert len(cluster.writes) == 6  # one per cycle that probed
         finally:
             await asyncio.to_thread(set_faults, sims[2], reset=True)
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorProcess]) -> None:
+    """failureThreshold 3 (the default): one cycle in which a replica's engine answers 500 leaves its
+    gate open (status.probe.pods[] says the pod failed, once); the next success resets its count."""
+    body = served_model(readinessGate=True)
+    cluster = Cluster(body, [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS)])
+    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
+
+    async def main() -> None:
+        sched = scheduler(cluster, override)
+        sched.track(body)
+        try:
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            await asyncio.to_thread(set_faults, sims[1], error_rate=1.0)
+            await sched.run_cycle(("ns", "qwen"))
+            entry = cluster.body["status"]["probe"]["pods"][1]
+            assert (entry["serving"], entry["consecutiveFailures"]) == ("False", 1)
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            await asyncio.to_thread(set_faults, sims[1], reset=True)
+            await sched.run_cycle(("ns", "qwen"))
+            entry = cluster.body["status"]["probe"]["pods"][1]
+            assert (entry["serving"], entry["consecutiveFailures"], entry["consecutiveSuccesses"]) == (
+                "True",
+                0,
+                1,
+            )
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            assert {w[0] for w in cluster.gate_writes} == set(PODS)  # each opened once, none closed
+            assert len(cluster.gate_writes) == 3
+            unreliable = cluster.condition("ProbeUnreliable")
+            assert (unreliable["status"], unreliable["reason"]) == ("False", "ProbeReliable")
+        finally:
+            await asyncio.to_thread(set_faults, sims[1], reset=True)
             await sched.stop()
 
     asyncio.run(main())

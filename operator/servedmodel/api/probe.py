@@ -178,6 +178,26 @@ class ProbeSpec(ApiModel):
             "false: nothing would open the gate."
         ),
     )
+    failure_threshold: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description=(
+            "Readiness gate: failed probes of a pod in a row, each of the engine's own making, before the "
+            "gate closes and the pod leaves the Service (the kubelet's failureThreshold). Failures of the "
+            "operator's own making (a Secret it cannot read, its connection pool exhausted) never close "
+            "it: they set ProbeUnreliable."
+        ),
+    )
+    success_threshold: int = Field(
+        default=1,
+        ge=1,
+        le=100,
+        description=(
+            "Readiness gate: successful probes of a pod in a row before a closed (or new) pod's gate "
+            "opens (the kubelet's successThreshold)."
+        ),
+    )
 
 
 class ClientLatency(ApiModel):
@@ -383,7 +403,10 @@ class PodProbe(ApiModel):
         default=None, ge=0, le=1, description="The pod's KV cache usage 0..1 (kv_cache_usage_perc)."
     )
     last_probe_time: str | None = Field(default=None, description="RFC 3339 time the pod was last probed.")
-    consecutive_failures: int = Field(default=0, ge=0, description="Failed probes of this pod in a row.")
+    consecutive_failures: int = Field(
+        default=0, ge=0, description="Failed probes of this pod in a row, of the engine's own making."
+    )
+    consecutive_successes: int = Field(default=0, ge=0, description="Successful probes of this pod in a row.")
 
 
 class ProbeStatus(ApiModel):

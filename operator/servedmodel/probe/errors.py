@@ -33,6 +33,8 @@ NO_READY_ENDPOINTS = "NoReadyEndpoints"
 NO_CONTENT = "NoContent"
 SECRET_UNAVAILABLE = "SecretUnavailable"
 PROMPT_TOO_LONG = "PromptTooLong"
+# The operator's own making, not the engine's: its connection pool had no connection free in time.
+PROBE_POOL_EXHAUSTED = "ProbePoolExhausted"
 # Bounds on what an engine may send (bounds.py): a hostile or broken engine fails its own probe.
 RESPONSE_TOO_LARGE = "ResponseTooLarge"  # a body or an SSE line over its route's cap
 STREAM_TOO_LONG = "StreamTooLong"  # a stream with more text, bytes or events than max_tokens allow
@@ -94,6 +96,10 @@ def classify_transport_error(
         if streaming:
             return ProbeFailure(STREAM_STALLED, f"{step}: no chunk within the read limit (stream stalled)")
         return ProbeFailure(FIRST_BYTE_TIMEOUT, f"{step}: no response within the first-byte limit")
+    if isinstance(exc, httpx.PoolTimeout):
+        return ProbeFailure(
+            PROBE_POOL_EXHAUSTED, f"{step}: no connection of the probe's own pool free in time"
+        )
     if isinstance(exc, httpx.TimeoutException):
         return ProbeFailure(PROBE_TIMEOUT, f"{step}: {type(exc).__name__}")
     if isinstance(exc, httpx.ConnectError):

@@ -1,5 +1,6 @@
 """Pure: one probe cycle over several engine pods -> each pod's verdict, the aggregate status.probe,
-the Serving summary ("2/3"), EngineStalled / KVCachePressure, and each pod's readiness-gate condition.
+the Serving summary ("2/3"), EngineStalled / KVCachePressure / ProbeUnreliable, and each pod's
+readiness-gate condition.
 
 Each pod is probed at its own address (probing.py does the I/O); what comes back per pod is a
 ProbeOutcome with that pod's own /metrics before and after. From those and the previous cycle's figures:
@@ -12,6 +13,11 @@ ProbeOutcome with that pod's own /metrics before and after. From those and the p
   the chat times out) or, when that was too short, the time since the pod's previous cycle.
 - KVCachePressure: KV cache usage at or above KV_PRESSURE_USAGE with vllm:num_preemptions rising since
   the previous cycle (or across the probe's window): the engine is recomputing requests it had to evict.
+- The readiness gate, the kubelet's way: a serving pod's gate closes after spec.probe.failureThreshold
+  failed probes in a row of the engine's own making, a closed (or new) one opens after successThreshold
+  successes in a row (the counts are kept in status.probe.pods[], so a failed-over operator goes on from
+  them). A failure of the operator's own making (OPERATOR_SIDE, or no token in time while the probe's own
+  loop was stalled) counts neither way and leaves the gate as it is: ProbeUnreliable says so instead.
 
 Top-level status.probe is the aggregate over the pods probed this cycle: client latencies are the median
 of the serving pods, scheduler gauges and counters add up over pods (KV cache usage: the highest pod),
@@ -32,6 +38,7 @@ from servedmodel.api.base import Condition
 from servedmodel.api.conditions import (
     ENGINE_STALLED,
     KV_CACHE_PRESSURE,
+    PROBE_UNRELIABLE,
     REPLICAS_FAILING,
     ConditionStatus,
     find,
@@ -48,9 +55,10 @@ MIN_STALL_WINDOW_S: Final = 1.0
 # The probe's own chat got no token in time: together with a flat generation counter, a stall.
 NO_TOKEN_REASONS: Final = frozenset({errors.FIRST_BYTE_TIMEOUT, errors.STREAM_STALLED, errors.PROBE_TIMEOUT})
 KV_PRESSURE_USAGE: Final = 0.9
-# Failures on the operator's side (it could not read a Secret): they say nothing about the pod, so its
-# readiness gate keeps what it had.
-OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE})
+# Failures on the operator's side (it could not read a Secret, its own pool had no connection free): they
+# say nothing about the pod, so its readiness gate keeps what it had.
+OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE, errors.PROBE_POOL_EXHAUSTED})
+PROBE_LOOP_STALLED: Final = "ProbeLoopStalled"
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,16 @@ class PodResult:
         if self.stalled is not None:
             return ENGINE_STALLED
         return errors.SERVING if self.outcome.failure is None else self.outcome.failure.reason
+
+    @property
+    def operator_side(self) -> bool:
+        """Failed for the operator's own reasons: a Secret, its pool, or no token in time while its own
+        loop was stalled (the engine may have sent one)."""
+        if self.serving:
+            return False
+        if self.reason in OPERATOR_SIDE:
+            return True
+        return self.outcome.probe_stall_ms is not None and self.reason in NO_TOKEN_REASONS
 
     @property
     def message(self) -> str:
@@ -234,8 +252,20 @@ def pod_entry(r: PodResult, previous: PodProbe | None) -> PodProbe:
         waiting=round(snap.gauges["waiting"]) if snap is not None and "waiting" in snap.gauges else None,
         kv_cache_usage=round(min(max(kv, 0.0), 1.0), 4) if kv is not None else None,
         last_probe_time=rfc3339(out.ended or out.started),
-        consecutive_failures=0 if r.serving else (previous.consecutive_failures if previous else 0) + 1,
+        **_counts(r, previous),
     )
+
+
+def _counts(r: PodResult, previous: PodProbe | None) -> dict[str, int]:
+    """The pod's probes in a row: a success or an engine failure moves them, an operator-side failure
+    leaves both as they were (it says nothing about the pod)."""
+    failures = previous.consecutive_failures if previous else 0
+    successes = previous.consecutive_successes if previous else 0
+    if r.operator_side:
+        return {"consecutive_failures": failures, "consecutive_successes": successes}
+    if r.serving:
+        return {"consecutive_failures": 0, "consecutive_successes": successes + 1}
+    return {"consecutive_failures": failures + 1, "consecutive_successes": 0}
 
 
 def merge_pods(
@@ -290,9 +320,35 @@ def replica_conditions(
     generation: int | None,
     now: datetime,
 ) -> list[Condition]:
-    """EngineStalled and KVCachePressure from the pods' gauges; none when no pod's gauges were read."""
+    """EngineStalled and KVCachePressure from the pods' gauges (kept as they were when no pod's gauges
+    were read: server-side apply would drop what this cycle left out), and ProbeUnreliable."""
+    out = [*_gauge_conditions(probed, existing, generation, now)]
+    unreliable = [r for r in probed if r.operator_side]
+    stalled = [r for r in probed if r.outcome.probe_stall_first_token or r.outcome.probe_stall_decode]
+    if unreliable:
+        reason = unreliable[0].reason if unreliable[0].reason in OPERATOR_SIDE else PROBE_LOOP_STALLED
+        text = "; ".join(f"pod {r.name}: {r.reason}: {r.message}" for r in unreliable)
+        out.append(_condition(PROBE_UNRELIABLE, "True", reason, text[:1000], existing, generation, now))
+    elif stalled:
+        text = "; ".join(f"pod {r.name}: read while the probe's own loop was stalled" for r in stalled)
+        out.append(_condition(PROBE_UNRELIABLE, "True", PROBE_LOOP_STALLED, text, existing, generation, now))
+    else:
+        out.append(_condition(PROBE_UNRELIABLE, "False", "ProbeReliable", "", existing, generation, now))
+    return out
+
+
+def _gauge_conditions(
+    probed: Sequence[PodResult],
+    existing: Sequence[Mapping[str, Any]],
+    generation: int | None,
+    now: datetime,
+) -> list[Condition]:
     if not any(r.outcome.after is not None for r in probed):
-        return []
+        return [
+            Condition.model_validate(c)
+            for t in (ENGINE_STALLED, KV_CACHE_PRESSURE)
+            if (c := find(existing, t))
+        ]
     stalled = [f"pod {r.name}: {r.stalled}" for r in probed if r.stalled]
     pressure = [f"pod {r.name}: {r.kv_pressure}" for r in probed if r.kv_pressure]
     return [
@@ -307,14 +363,35 @@ def replica_conditions(
     ]
 
 
-def gate_condition(r: PodResult, pod: Mapping[str, Any], now: datetime) -> dict[str, Any] | None:
-    """The readiness-gate pod condition to write for this pod, None when what it has is still right."""
-    if not r.serving and r.reason in OPERATOR_SIDE:
+def gate_condition(
+    r: PodResult,
+    entry: PodProbe,
+    pod: Mapping[str, Any],
+    now: datetime,
+    *,
+    failure_threshold: int = 1,
+    success_threshold: int = 1,
+) -> dict[str, Any] | None:
+    """The readiness-gate pod condition to write for this pod after its cycle (`entry`: its counts in
+    status.probe.pods[]), None when what it has is still right: an open gate stays open until
+    failure_threshold engine failures in a row, a closed or new one opens after success_threshold
+    successes in a row, and an operator-side failure changes nothing."""
+    if r.operator_side:
         return None
-    status: ConditionStatus = "True" if r.serving else "False"
-    reason = "ChatCompletionSucceeded" if r.serving else r.reason
     conds = (pod.get("status") or {}).get("conditions") or []
     prev = find(conds, READINESS_GATE_CONDITION)
+    is_open = prev is not None and prev.get("status") == "True"
+    status: ConditionStatus
+    if r.serving:
+        if is_open or entry.consecutive_successes >= success_threshold:
+            status, reason, message = "True", "ChatCompletionSucceeded", r.message
+        else:
+            status, reason = "False", "SuccessThresholdNotMet"
+            message = f"{entry.consecutive_successes} of {success_threshold} successful probes in a row"
+    elif is_open and entry.consecutive_failures < failure_threshold:
+        return None  # open until failure_threshold failures in a row
+    else:
+        status, reason, message = "False", r.reason, r.message
     if prev is not None and prev.get("status") == status and prev.get("reason") == reason:
         return None
     stamp = rfc3339(now, "seconds")
@@ -324,7 +401,7 @@ def gate_condition(r: PodResult, pod: Mapping[str, Any], now: datetime) -> dict[
         READINESS_GATE_CONDITION,
         status,
         reason,
-        (r.message or reason)[:500],
+        (message or reason)[:500],
         generation=None,
         now=stamp,
     )
