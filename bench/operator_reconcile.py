@@ -40,7 +40,7 @@ def servedmodel(i: int) -> dict[str, Any]:
             "model": MODEL,
             "engine": {"kind": "vllm" if on_gpu else "simulator"},
             "resources": {"gpus": 1 if on_gpu else 0},
-            "probe": {"interval": 60},
+            "probe": {"interval": 60, "readinessGate": False},  # Ready as docs/benchmarks.md measured it
         },
     }
 

@@ -86,7 +86,8 @@ def sm_body(name: str, *, probe: bool = False) -> dict[str, Any]:
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
         "engine": {"kind": "simulator"},
         "resources": {"gpus": 0},
-        "probe": {"enabled": True, "interval": 5} if probe else {"enabled": False},
+        # probed against no engine (a closed port): with the readiness gate no pod would ever be Ready
+        "probe": {"enabled": True, "interval": 5, "readinessGate": False} if probe else {"enabled": False},
     }
     return {
         "apiVersion": "inference.servedmodel.io/v1alpha1",

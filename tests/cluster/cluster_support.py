@@ -80,11 +80,14 @@ def metric_sum(op: Any, sample: str, **labels: str) -> float:
 
 
 def served_model(name: str, **spec: Any) -> dict[str, Any]:
-    """A vLLM ServedModel for the fake GPU node; `spec` keys replace the defaults."""
+    """A vLLM ServedModel for the fake GPU node; `spec` keys replace the defaults. Without a `probe` of
+    the test's own, the readiness gate is off: kwok's pods have no engine behind them (the probe goes to
+    a closed port), and with the gate (on by default) they would never be Ready."""
     body: dict[str, Any] = {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
         "engine": {"maxModelLen": 4096},
         "resources": {"gpus": 1},
+        "probe": {"readinessGate": False},
     }
     body.update(spec)
     return {

@@ -10,7 +10,7 @@ import pytest
 
 from servedmodel.api import ServedModel
 from servedmodel.api.conditions import ENGINE_STALLED, REPLICAS_FAILING
-from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec
+from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeCheck, ProbeSpec
 from servedmodel.probe import replicas
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
@@ -294,6 +294,27 @@ def test_a_closed_or_new_gate_opens_after_success_threshold_successes_in_a_row()
     assert (cond["status"], cond["reason"]) == ("True", "ChatCompletionSucceeded")
 
 
+def test_a_gate_opens_only_on_a_request_path_whose_checks_pass_and_is_not_closed_by_one() -> None:
+    """A new pod whose chat completed but whose template check failed takes no traffic (ChecksFailed,
+    naming the check); once its checks pass it opens; an open gate stays open through a failed check."""
+    ok, _, _ = results()
+    ok.outcome.checks = {
+        "template": ProbeCheck(result="Fail", reason="RoleMarkersMissing", message="no <|im_start|>"),
+        "stop": ProbeCheck(result="Pass", reason="StopHonoured"),
+        "limits": ProbeCheck(result="Skipped", reason="Disabled"),
+    }
+    held, entry = gate(ok, pod("q-a"))
+    assert held is not None
+    assert (held["status"], held["reason"]) == ("False", "ChecksFailed")
+    assert held["message"] == "template: RoleMarkersMissing: no <|im_start|>"
+    ok.outcome.checks["template"] = ProbeCheck(result="Pass", reason="PromptTokensMatch")
+    opened, entry = gate(ok, pod("q-a", gate=held), entry)
+    assert opened is not None
+    assert (opened["status"], opened["reason"]) == ("True", "ChatCompletionSucceeded")
+    ok.outcome.checks["stop"] = ProbeCheck(result="Fail", reason="StopIgnored")
+    assert gate(ok, pod("q-a", gate=opened), entry)[0] is None  # serving: open it stays
+
+
 def test_probe_unreliable_names_the_operators_own_failures() -> None:
     ok, _, _ = results()
     secret = PodResult("q-c", "u", outcome(None, None, failure=ProbeFailure(SECRET_UNAVAILABLE, "no key")))
@@ -328,7 +349,7 @@ def test_per_pod_overrides_and_pod_addresses() -> None:
     assert not containers_ready(pod("p", ready=False))
 
 
-def test_pod_template_carries_the_readiness_gate_only_when_asked() -> None:
+def test_pod_template_carries_the_readiness_gate_by_default_unless_opted_out() -> None:
     def template(probe: dict[str, Any]) -> dict[str, Any]:
         body = {
             "metadata": {"name": "qwen", "namespace": "ai", "uid": "u"},
@@ -339,10 +360,10 @@ def test_pod_template_carries_the_readiness_gate_only_when_asked() -> None:
         ]["spec"]
         return spec
 
-    assert template({"readinessGate": True})["readinessGates"] == [
-        {"conditionType": READINESS_GATE_CONDITION}
-    ]
-    assert "readinessGates" not in template({})
+    gate = [{"conditionType": READINESS_GATE_CONDITION}]
+    assert template({})["readinessGates"] == gate  # on by default
+    assert template({"readinessGate": True})["readinessGates"] == gate
+    assert "readinessGates" not in template({"readinessGate": False})  # opted out
     assert "readinessGates" not in template(
         {"readinessGate": True, "enabled": False}
     )  # nothing would open it

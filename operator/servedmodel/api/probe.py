@@ -168,14 +168,15 @@ class ProbeSpec(ApiModel):
         default=None, description="Latency objectives; when set, the LatencySLOMet condition is maintained."
     )
     readiness_gate: bool = Field(
-        default=False,
+        default=True,
         description=(
-            "Gate each engine pod's readiness on this probe: the pod template carries the readiness gate "
-            "inference.servedmodel.io/serving and the operator sets that pod condition from each pod's "
-            "probe, so a pod that answers /health but fails a real chat completion leaves the Service's "
-            "endpoints, and a new pod receives traffic only after a real generation succeeded. Pods then "
-            "wait for the operator to probe them (see docs/operations.md). Not rendered while enabled is "
-            "false: nothing would open the gate."
+            "Gate each engine pod's readiness on this probe (on by default; false opts out): the pod "
+            "template carries the readiness gate inference.servedmodel.io/serving and the operator sets "
+            "that pod condition from each pod's probe, so a pod that answers /health but fails a real chat "
+            "completion leaves the Service's endpoints (after failureThreshold failed cycles), and a new "
+            "pod receives traffic only after a real generation succeeded. Pods then wait for the operator "
+            "to probe them (see docs/operations.md). Not rendered while enabled is false: nothing would "
+            "open the gate."
         ),
     )
     failure_threshold: int = Field(

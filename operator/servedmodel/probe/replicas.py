@@ -16,8 +16,12 @@ ProbeOutcome with that pod's own /metrics before and after. From those and the p
 - The readiness gate, the kubelet's way: a serving pod's gate closes after spec.probe.failureThreshold
   failed probes in a row of the engine's own making, a closed (or new) one opens after successThreshold
   successes in a row (the counts are kept in status.probe.pods[], so a failed-over operator goes on from
-  them). A failure of the operator's own making (OPERATOR_SIDE, or no token in time while the probe's own
-  loop was stalled) counts neither way and leaves the gate as it is: ProbeUnreliable says so instead.
+  them). To open, the pod's request path must pass whole, its checks included (template, limits, stop,
+  usage, streaming: none Fail): a new pod, a new revision's above all, takes no traffic before it proved
+  the template renders and the server stops and counts as it should. An open gate is not closed by a
+  failed check (the model answers; the check says what is wrong): only by the engine's failures. A
+  failure of the operator's own making (OPERATOR_SIDE, or no token in time while the probe's own loop
+  was stalled) counts neither way and leaves the gate as it is: ProbeUnreliable says so instead.
 
 Top-level status.probe is the aggregate over the pods probed this cycle: client latencies are the median
 of the serving pods, scheduler gauges and counters add up over pods (KV cache usage: the highest pod),
@@ -59,6 +63,8 @@ KV_PRESSURE_USAGE: Final = 0.9
 # say nothing about the pod, so its readiness gate keeps what it had.
 OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE, errors.PROBE_POOL_EXHAUSTED})
 PROBE_LOOP_STALLED: Final = "ProbeLoopStalled"
+# A pod's gate stays closed: its chat completed, but a check of the request path failed.
+CHECKS_FAILED: Final = "ChecksFailed"
 
 
 @dataclass(frozen=True)
@@ -382,8 +388,17 @@ def gate_condition(
     prev = find(conds, READINESS_GATE_CONDITION)
     is_open = prev is not None and prev.get("status") == "True"
     status: ConditionStatus
+    failed = [
+        f"{k}: {c.reason}: {c.message}".rstrip(": ")
+        for k, c in r.outcome.checks.items()
+        if c.result == "Fail"
+    ]
     if r.serving:
-        if is_open or entry.consecutive_successes >= success_threshold:
+        if is_open:
+            status, reason, message = "True", "ChatCompletionSucceeded", r.message
+        elif failed:
+            status, reason, message = "False", CHECKS_FAILED, "; ".join(failed)
+        elif entry.consecutive_successes >= success_threshold:
             status, reason, message = "True", "ChatCompletionSucceeded", r.message
         else:
             status, reason = "False", "SuccessThresholdNotMet"
