@@ -54,7 +54,7 @@ from .api.base import Key, Obj
 from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, PROBE_UNRELIABLE, SERVING
 from .api.conditions import find as find_condition
 from .api.names import selector_labels, selector_string
-from .api.probe import ProbeSpec, ProbeStatus
+from .api.probe import ProbeSpec, ProbeStatus, RolloutStatus
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient, NotFoundError
@@ -80,6 +80,7 @@ from .probe.replicas import (
     kv_pressure_verdict,
     merge_pods,
     replica_conditions,
+    rollout_status,
     stall_verdict,
     summarize,
 )
@@ -783,6 +784,8 @@ class ProbeScheduler:
         result.pods = probed
         if probed:
             await self._after_pods(model, body, spec, probed, plan, status, new, patch)
+        if "rollout" not in patch and isinstance(status.get("rollout"), dict) and plan is not None:
+            patch["rollout"] = status["rollout"]  # kept as it was: server-side apply drops what we omit
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
@@ -1002,12 +1005,22 @@ class ProbeScheduler:
                             {"conditions": [cond]},
                             self.config.probe_field_manager,
                         )
-                        self._write_through("Pod", written_pod)
+                        plan.pods[r.name] = self._write_through("Pod", written_pod)
                         self.metrics.gate_writes.labels(namespace, name, cond["status"]).inc()
                     except ApiError as exc:
                         log.warning(
                             "readiness gate of pod %s/%s: %s %s", namespace, r.name, exc.status, exc.reason
                         )
+        if spec.probe.readiness_gate:
+            previous_rollout = status.get("rollout")
+            rollout = rollout_status(
+                plan.pods,
+                RolloutStatus.model_validate(previous_rollout)
+                if isinstance(previous_rollout, dict)
+                else None,
+            )
+            if rollout is not None:
+                patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
         old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
         if model.last_patch is not None:
             old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
@@ -1057,6 +1070,8 @@ class ProbeScheduler:
         }
         if isinstance(status.get("probe"), dict):
             patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
+        if isinstance(status.get("rollout"), dict):
+            patch["rollout"] = status["rollout"]
         try:
             written = await self.kube.apply_status(
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager

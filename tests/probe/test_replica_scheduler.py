@@ -143,6 +143,74 @@ def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorPr
     asyncio.run(main())
 
 
+def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
+    sims: list[SimulatorProcess],
+) -> None:
+    """Two pods of the old revision serve (gates open); a rollout adds a pod of a new revision whose
+    engine renders a Llama 3 template for a Qwen model. Its chat completes, its template check fails:
+    its gate stays closed (ChecksFailed, naming the check), status.rollout says the revision is Proving
+    and which pod fails why, the old pods keep serving. With the right template it opens: Proven."""
+    body = served_model()  # the readiness gate is on by default
+    old = [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS[:2])]
+    for p in old:
+        p["metadata"] |= {
+            "labels": {"pod-template-hash": "old1"},
+            "creationTimestamp": "2026-12-01T10:00:00Z",
+        }
+    cluster = Cluster(body, old)
+    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
+
+    async def main() -> None:
+        sched = scheduler(cluster, override)
+        sched.track(body)
+        try:
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS[:2]] == ["True", "True"]
+            rollout = cluster.body["status"]["rollout"]
+            assert (rollout["revision"], rollout["state"], rollout["lastProvenRevision"]) == (
+                "old1",
+                "Proven",
+                "old1",
+            )
+
+            await asyncio.to_thread(set_faults, sims[2], chat_template="llama3")
+            new = pod(PODS[2], "10.244.0.12")
+            new["metadata"] |= {
+                "labels": {"pod-template-hash": "new2"},
+                "creationTimestamp": "2026-12-01T11:00:00Z",
+            }
+            cluster.pods[PODS[2]] = new
+            for _ in range(2):  # not once: it stays closed
+                await sched.run_cycle(("ns", "qwen"))
+                assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
+            entry = cluster.body["status"]["probe"]["pods"][2]
+            assert entry["serving"] == "True"  # the model answers; the check says what is wrong
+            rollout = cluster.body["status"]["rollout"]
+            assert (rollout["revision"], rollout["state"], rollout["passed"], rollout["total"]) == (
+                "new2",
+                "Proving",
+                0,
+                1,
+            )
+            assert (rollout["failingPod"], rollout["failingReason"]) == (PODS[2], "ChecksFailed")
+            assert rollout["message"].startswith("template: RoleMarkersMissing")
+            assert rollout["lastProvenRevision"] == "old1"
+
+            await asyncio.to_thread(set_faults, sims[2], chat_template=None)
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            rollout = cluster.body["status"]["rollout"]
+            assert (rollout["revision"], rollout["state"], rollout["passed"]) == ("new2", "Proven", 1)
+            assert rollout["lastProvenRevision"] == "new2"
+            assert "failingPod" not in rollout
+        finally:
+            await asyncio.to_thread(set_faults, sims[2], reset=True)
+            await asyncio.to_thread(set_faults, sims[2], chat_template=None)
+            await sched.stop()
+
+    asyncio.run(main())
+
+
 def test_bounded_rotation_over_many_replicas(sims: list[SimulatorProcess]) -> None:
     """Two pods per cycle of three: each cycle probes the next two, pods[] keeps all three."""
     body = served_model()

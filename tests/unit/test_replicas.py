@@ -367,3 +367,38 @@ def test_pod_template_carries_the_readiness_gate_by_default_unless_opted_out() -
     assert "readinessGates" not in template(
         {"readinessGate": True, "enabled": False}
     )  # nothing would open it
+
+
+def test_rollout_status_follows_the_newest_revision_through_its_gates() -> None:
+    def rev(
+        name: str, revision: str, created: str, gate_status: str | None, reason: str = ""
+    ) -> dict[str, Any]:
+        g = (
+            None
+            if gate_status is None
+            else {"type": READINESS_GATE_CONDITION, "status": gate_status, "reason": reason}
+        )
+        p = pod(name, gate=g)
+        p["metadata"] |= {"labels": {"pod-template-hash": revision}, "creationTimestamp": created}
+        return p
+
+    old = {n: rev(n, "a1", "2026-12-01T10:00:00Z", "True", "ChatCompletionSucceeded") for n in ("q-a", "q-b")}
+    proven = replicas.rollout_status(old, None)
+    assert proven is not None
+    assert (proven.revision, proven.state, proven.passed, proven.total) == ("a1", "Proven", 2, 2)
+    assert proven.last_proven_revision == "a1"
+    rolling = {
+        **old,
+        "q-d": rev("q-d", "b2", "2026-12-01T11:00:00Z", None),
+        "q-c": rev("q-c", "b2", "2026-12-01T11:00:01Z", "False", "ChecksFailed"),
+    }
+    st = replicas.rollout_status(rolling, proven)
+    assert st is not None
+    assert (st.revision, st.state, st.passed, st.total) == ("b2", "Proving", 0, 2)
+    assert (st.failing_pod, st.failing_reason) == ("q-c", "ChecksFailed")  # the first by name
+    assert st.last_proven_revision == "a1"
+    rolling["q-c"] = rev("q-c", "b2", "2026-12-01T11:00:01Z", "True", "ChatCompletionSucceeded")
+    st = replicas.rollout_status(rolling, st)
+    assert st is not None
+    assert (st.failing_pod, st.failing_reason) == ("q-d", "NotProbedYet")
+    assert replicas.rollout_status({"x": pod("x")}, None) is None  # no revision label: no rollout to tell

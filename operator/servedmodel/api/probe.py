@@ -410,6 +410,31 @@ class PodProbe(ApiModel):
     consecutive_successes: int = Field(default=0, ge=0, description="Successful probes of this pod in a row.")
 
 
+class RolloutStatus(ApiModel):
+    """The newest revision of the engine pods (their pod-template-hash) proving itself: a pod of it
+    takes traffic only once its readiness gate opened, after a full request path passed, checks included."""
+
+    revision: str = Field(max_length=63, description="pod-template-hash of the newest engine pods.")
+    state: Literal["Proving", "Proven"] = Field(
+        description="Proven: every pod of the revision passed its gate; Proving: some have not yet."
+    )
+    passed: int = Field(ge=0, description="Pods of the revision whose readiness gate is open.")
+    total: int = Field(ge=0, description="Pods of the revision that exist.")
+    failing_pod: str | None = Field(default=None, max_length=253, description="A pod of it not passed yet.")
+    failing_reason: str | None = Field(
+        default=None,
+        max_length=128,
+        description=(
+            "Why that pod's gate is closed: the probe's failure reason, ChecksFailed, "
+            "SuccessThresholdNotMet, or NotProbedYet."
+        ),
+    )
+    message: str | None = Field(default=None, max_length=1024, description="That pod's gate message.")
+    last_proven_revision: str | None = Field(
+        default=None, max_length=63, description="The newest revision that was Proven (this one once it is)."
+    )
+
+
 class ProbeStatus(ApiModel):
     """What the last probe cycle measured, plus the rolling window."""
 

@@ -1,6 +1,7 @@
 """status of a ServedModel. Two writers share it through server-side apply: the reconciler (phase,
 replicas, ready, endpoint, selector, autoscaling and the Ready/Progressing/Degraded/InvalidSpec
-conditions) and the probe (status.probe and the Serving/TemplateOK/LatencySLOMet conditions).
+conditions) and the probe (status.probe, status.rollout and its conditions: Serving, TemplateOK,
+LatencySLOMet, EngineStalled, KVCachePressure, ProbeUnreliable).
 `conditions` is a list-map keyed by type, so each field manager owns its own entries.
 """
 
@@ -12,7 +13,7 @@ from pydantic import Field
 
 from .autoscaling import AutoscalingStatus
 from .base import ApiModel, Condition
-from .probe import ProbeStatus
+from .probe import ProbeStatus, RolloutStatus
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 PHASES: tuple[Phase, ...] = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
@@ -64,6 +65,10 @@ class ServedModelStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     probe: ProbeStatus | None = Field(default=None, description="What the request-path probe measured.")
+    rollout: RolloutStatus | None = Field(
+        default=None,
+        description="The newest engine revision's proof through the readiness gate (managed mode, gate on).",
+    )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="What the autoscaler (HPA, or KEDA's) did, while spec.autoscaling is set."
     )

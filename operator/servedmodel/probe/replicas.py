@@ -1,6 +1,6 @@
 """Pure: one probe cycle over several engine pods -> each pod's verdict, the aggregate status.probe,
-the Serving summary ("2/3"), EngineStalled / KVCachePressure / ProbeUnreliable, and each pod's
-readiness-gate condition.
+the Serving summary ("2/3"), EngineStalled / KVCachePressure / ProbeUnreliable, each pod's
+readiness-gate condition, and status.rollout (the newest revision's pods through their gates).
 
 Each pod is probed at its own address (probing.py does the I/O); what comes back per pod is a
 ProbeOutcome with that pod's own /metrics before and after. From those and the previous cycle's figures:
@@ -48,7 +48,7 @@ from servedmodel.api.conditions import (
     find,
     transition,
 )
-from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus
+from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus, RolloutStatus
 
 from . import errors
 from .client import ProbeOutcome
@@ -421,3 +421,48 @@ def gate_condition(
         now=stamp,
     )
     return {**condition, "lastProbeTime": stamp}
+
+
+REVISION_LABEL: Final = "pod-template-hash"  # the Deployment controller's, on every pod of a ReplicaSet
+
+
+def rollout_status(
+    pods: Mapping[str, Mapping[str, Any]], previous: RolloutStatus | None
+) -> RolloutStatus | None:
+    """status.rollout from the engine pods as they are after this cycle's gate writes: the newest revision
+    (the pod-template-hash of the most recently created pods), how many of its pods passed their gate,
+    the first (by name) that has not and why; last_proven_revision carries on from `previous`."""
+    revisions: dict[str, list[Mapping[str, Any]]] = {}
+    for p in pods.values():
+        meta = p.get("metadata") or {}
+        revision = (meta.get("labels") or {}).get(REVISION_LABEL)
+        if revision:
+            revisions.setdefault(str(revision), []).append(p)
+    if not revisions:
+        return None
+
+    def created(revision: str) -> str:
+        return max(str((p.get("metadata") or {}).get("creationTimestamp") or "") for p in revisions[revision])
+
+    newest = max(revisions, key=lambda r: (created(r), r))
+    members = sorted(revisions[newest], key=lambda p: str((p.get("metadata") or {}).get("name")))
+    closed: list[tuple[str, Mapping[str, Any] | None]] = []
+    for p in members:
+        gate = find((p.get("status") or {}).get("conditions"), READINESS_GATE_CONDITION)
+        if gate is None or gate.get("status") != "True":
+            closed.append((str((p.get("metadata") or {}).get("name")), gate))
+    proven = not closed
+    last = newest if proven else (previous.last_proven_revision if previous is not None else None)
+    failing_pod, gate = closed[0] if closed else (None, None)
+    return RolloutStatus(
+        revision=newest[:63],
+        state="Proven" if proven else "Proving",
+        passed=len(members) - len(closed),
+        total=len(members),
+        failing_pod=failing_pod,
+        failing_reason=(str(gate.get("reason"))[:128] if gate is not None else "NotProbedYet")
+        if closed
+        else None,
+        message=(str(gate.get("message") or "")[:1024] or None) if gate is not None else None,
+        last_proven_revision=last,
+    )
