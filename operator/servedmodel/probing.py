@@ -51,10 +51,10 @@ from pydantic import BaseModel, ValidationError
 from . import access, scaling
 from .api import API_GROUP_VERSION, PLURAL
 from .api.base import Key, Obj
-from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, PROBE_UNRELIABLE, SERVING
+from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, PROBE_UNRELIABLE, ROLLOUT_BLOCKED, SERVING
 from .api.conditions import find as find_condition
-from .api.names import selector_labels, selector_string
-from .api.probe import ProbeSpec, ProbeStatus, RolloutStatus
+from .api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels, selector_string
+from .api.probe import ProbeSpec, ProbeStatus, RolloutStatus, rollout_verdict
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient, NotFoundError
@@ -80,6 +80,7 @@ from .probe.replicas import (
     kv_pressure_verdict,
     merge_pods,
     replica_conditions,
+    rollout_condition,
     rollout_status,
     stall_verdict,
     summarize,
@@ -784,14 +785,20 @@ class ProbeScheduler:
         result.pods = probed
         if probed:
             await self._after_pods(model, body, spec, probed, plan, status, new, patch)
-        if "rollout" not in patch and isinstance(status.get("rollout"), dict) and plan is not None:
-            patch["rollout"] = status["rollout"]  # kept as it was: server-side apply drops what we omit
+        if "rollout" not in patch and plan is not None:
+            _keep_rollout(status, patch)  # kept as it was: server-side apply drops what we omit
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
         if model.last_patch is not None:
             before = serving_of(model.last_patch.get("conditions")) or before
         after = serving_of(patch["conditions"])
+        # The rollout verdict the reconciler acts on (reconcile.rollback): a change enqueues it, as a
+        # Serving change does (our write goes into the cache first, so the watch event shows no change).
+        said = rollout_verdict(status.get("rollout"))
+        if model.last_patch is not None and "rollout" in model.last_patch:
+            said = rollout_verdict(model.last_patch["rollout"])
+        rollout_changed = said != rollout_verdict(patch.get("rollout"))
         if model.removed:
             return result  # forgotten (deleted) while the probe ran: write nothing
         try:
@@ -811,7 +818,7 @@ class ProbeScheduler:
             model.body = self._write_through(SERVED_MODEL_KIND, written)
         self.metrics.status_writes.labels(namespace, name).inc()
         result.written = True
-        if before != after and self.enqueue is not None:  # Serving changed: phase/Degraded follow
+        if (before != after or rollout_changed) and self.enqueue is not None:  # the reconciler reads these
             self.enqueue(namespace, name)
         return result
 
@@ -1012,28 +1019,54 @@ class ProbeScheduler:
                             "readiness gate of pod %s/%s: %s %s", namespace, r.name, exc.status, exc.reason
                         )
         if spec.probe.readiness_gate:
-            previous_rollout = status.get("rollout")
-            rollout = rollout_status(
-                plan.pods,
-                RolloutStatus.model_validate(previous_rollout)
-                if isinstance(previous_rollout, dict)
-                else None,
-            )
-            if rollout is not None:
-                patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
+            self._rollout(model, body, spec, plan, status, patch, now)
         old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
         if model.last_patch is not None:
             old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
         for c in patch["conditions"]:
             was = (old_conds.get(c["type"]) or {}).get("status")
             # a stall of the probe's own loop alone is the machine's noise: in status, not an Event
-            warned = c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE) or (
+            warned = c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE, ROLLOUT_BLOCKED) or (
                 c["type"] == PROBE_UNRELIABLE and c["reason"] != PROBE_LOOP_STALLED
             )
             if warned and c["status"] == "True" and was != "True":
                 await self._event(body, "Warning", c["type"], c["message"])
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
+
+    def _rollout(
+        self,
+        model: _Model,
+        body: Obj,
+        spec: ServedModelSpec,
+        plan: _Plan,
+        status: Mapping[str, Any],
+        patch: dict[str, Any],
+        now: datetime,
+    ) -> None:
+        """status.rollout and RolloutBlocked into `patch`, from the pods after this cycle's gate writes."""
+        previous = status.get("rollout")
+        if model.last_patch is not None and isinstance(model.last_patch.get("rollout"), dict):
+            previous = model.last_patch["rollout"]  # ours, newer than the cache's copy may be
+        namespace, name = model.key
+        deployment = self.cache.get("Deployment", namespace, deployment_name(name)) if self.cache else None
+        annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+        rollout = rollout_status(
+            plan.pods,
+            RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None,
+            now,
+            spec.rollout.progress_deadline_seconds,
+            annotations.get(ROLLED_BACK_FROM_ANNOTATION),
+        )
+        if rollout is None:
+            return
+        patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
+        generation = (body.get("metadata") or {}).get("generation")
+        cond = rollout_condition(rollout, status.get("conditions") or [], generation, now)
+        patch["conditions"] = [
+            *(c for c in patch["conditions"] if c.get("type") != ROLLOUT_BLOCKED),
+            cond.model_dump(by_alias=True, exclude_none=True),
+        ]
 
     def _write_through(self, kind: str, obj: Obj) -> Obj:
         """Our write's answer into the cache, so the next cycle does not act on a copy older than what
@@ -1070,8 +1103,7 @@ class ProbeScheduler:
         }
         if isinstance(status.get("probe"), dict):
             patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
-        if isinstance(status.get("rollout"), dict):
-            patch["rollout"] = status["rollout"]
+        _keep_rollout(status, patch)
         try:
             written = await self.kube.apply_status(
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
@@ -1201,6 +1233,15 @@ class ProbeScheduler:
             )
             [out] = self._redacted(namespace, name, out)
             return out
+
+
+def _keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
+    """status.rollout and RolloutBlocked as they are, into a write that does not compute them."""
+    if isinstance(status.get("rollout"), dict):
+        patch["rollout"] = status["rollout"]
+    kept = find_condition(status.get("conditions"), ROLLOUT_BLOCKED)
+    if kept is not None and find_condition(patch.get("conditions"), ROLLOUT_BLOCKED) is None:
+        patch["conditions"] = [*patch.get("conditions", []), dict(kept)]
 
 
 class _Shared(httpx.AsyncBaseTransport):

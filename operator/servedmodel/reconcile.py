@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 ROUTE_API: Final = "route.openshift.io/v1"
 APPLY_FAILED: Final = "ApplyFailed"
+# A Blocked revision to roll back, and no ReplicaSet of the last proven one left (revisionHistoryLimit).
+ROLLBACK_UNAVAILABLE: Final = "RollbackUnavailable"
 MONITORING_API: Final = "monitoring.coreos.com/v1"
 # (apiVersion, plural, kind) of every kind of child the operator may have made; optional APIs last.
 CHILD_KINDS: Final = (
@@ -321,6 +323,57 @@ async def observe_autoscaler(
 PostEvents = Callable[[Mapping[str, Any], list[Transition]], Awaitable[None]]
 
 
+async def rollback(
+    client: KubeClient, cr: ServedModel, objects: list[dict[str, Any]], previous: Any
+) -> Problem | None:
+    """Put the last proven revision's pod template into the rendered Deployment when the probe says the
+    revision this spec renders is Blocked (status.rollout, probe/replicas.rollout_status) and
+    spec.rollout.automaticRollback allows it: the template comes from that revision's ReplicaSet, as
+    `kubectl rollout undo` takes it; spec stays as the user wrote it. Degraded says so (RolledBack), or
+    why it cannot (RollbackUnavailable: no ReplicaSet of that revision left). None: nothing to do."""
+    spec = cr.spec
+    rollout = (previous or {}).get("rollout") if isinstance(previous, Mapping) else None
+    if not isinstance(rollout, Mapping) or not (
+        spec.rollout.automatic_rollback and spec.probe.readiness_gate
+    ):
+        return None
+    deployment = next((o for o in objects if o["kind"] == "Deployment"), None)
+    if deployment is None:
+        return None
+    rendered = deployment["spec"]["template"]["metadata"]["labels"].get(names.REVISION_LABEL)
+    blocked, good = rollout.get("blockedRevision"), rollout.get("lastProvenRevision")
+    if not blocked or blocked != rendered or not good or good == rendered:
+        return None
+    why = f"revision {blocked} did not pass the readiness gate ({rollout.get('blockedMessage') or 'blocked'})"
+    selector = {**names.selector_labels(cr.name), names.REVISION_LABEL: str(good)}
+    sets = await client.list("apps/v1", "replicasets", cr.namespace, label_selector=selector)
+    owner = ("Deployment", str(deployment["metadata"]["name"]))
+    owned = [
+        rs
+        for rs in sets
+        if any(
+            (r.get("kind"), r.get("name")) == owner
+            for r in (rs.get("metadata") or {}).get("ownerReferences") or []
+        )
+    ]
+    if not owned:
+        return Problem(
+            ROLLBACK_UNAVAILABLE, f"{why}; no ReplicaSet of revision {good} is left to roll back to"
+        )
+    newest = max(owned, key=lambda rs: str((rs.get("metadata") or {}).get("creationTimestamp") or ""))
+    template = dict((newest.get("spec") or {}).get("template") or {})
+    meta = dict(template.get("metadata") or {})
+    meta.pop("creationTimestamp", None)
+    meta["labels"] = {k: v for k, v in (meta.get("labels") or {}).items() if k != "pod-template-hash"}
+    deployment["spec"]["template"] = {**template, "metadata": meta}
+    annotations = deployment["metadata"].setdefault("annotations", {})
+    annotations[names.ROLLED_BACK_FROM_ANNOTATION] = str(blocked)
+    return Problem(
+        conditions.ROLLED_BACK,
+        f"{why}: the engine runs revision {good} again; spec unchanged until you fix it and apply again",
+    )
+
+
 async def finish(
     client: KubeClient,
     cache: Cache,
@@ -388,6 +441,7 @@ async def reconcile(
             KEDA_API: await client.discover(KEDA_API),
         }
     template_missing: TemplateMissing | None = None
+    rolled_back: Problem | None = None
     if cr is not None and not cr.spec.external:
         template_digest, template_missing = await chat_template(reader, namespace, cr)
         ctx = RenderContext.from_config(
@@ -405,6 +459,8 @@ async def reconcile(
             invalid = await secrets_refused(
                 client, namespace, cr.name, secrets_handed_on(cr, config, objects)
             )
+        if invalid is None:
+            rolled_back = await rollback(client, cr, objects, previous)
 
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.
@@ -471,7 +527,7 @@ async def reconcile(
             missing = None
             if template_missing is not None:
                 missing = Problem(template_missing.reason, template_missing.message)
-            mode = Managed(observed, served_model_name, serving, autoscaling, missing)
+            mode = Managed(observed, served_model_name, serving, autoscaling, missing, rolled_back)
     desired = compute_status(subject, mode)
     written, changes = await finish(client, cache, config, body, desired, post_events)
     return Outcome(

@@ -357,6 +357,9 @@ class Managed:
     # Something the engine is configured with that the operator could not find (the chat template
     # ConfigMap or its key, render.chat_template): Degraded with its reason, whatever the pods say.
     missing: Problem | None = None
+    # The spec's revision was Blocked by the readiness gate and the last proven one put back (or could
+    # not be: RollbackUnavailable), reconcile.rollback: Degraded with its reason until the spec changes.
+    rolled_back: Problem | None = None
 
 
 @dataclass(frozen=True)
@@ -451,9 +454,10 @@ def compute_status(subject: Subject, mode: Mode) -> dict[str, Any]:
             status.update(_replica_fields(subject.name, mode.observed))
             if isinstance(mode, Managed):
                 phase = _degraded_by_probe(phase, conds, mode.serving)
-                if mode.missing is not None:
-                    conds.degraded = Verdict("True", mode.missing.reason, mode.missing.message)
-                    phase = phase if phase == "Failed" else "Degraded"
+                for problem in (mode.rolled_back, mode.missing):
+                    if problem is not None:
+                        conds.degraded = Verdict("True", problem.reason, problem.message)
+                        phase = phase if phase == "Failed" else "Degraded"
                 if mode.autoscaling is not None:
                     status["autoscaling"] = dict(mode.autoscaling)
                     if conds.ready.reason == "ScaledToZero" and mode.autoscaling.get("message"):

@@ -8,7 +8,8 @@ labels, so the filter finds it too) — and the chat-template ConfigMaps, labell
 calls `route` with every change; `route` only decides what to enqueue:
 
 - a ServedModel: when something the reconciler reads changed (generation, labels, annotations,
-  deletion, finalizers, the reconciler's own status fields, the probe's Serving verdict): the probe's
+  deletion, finalizers, the reconciler's own status fields, the probe's Serving verdict and its rollout
+  verdict, status.rollout's blocked and last proven revisions): the probe's
   other status writes — latencies every cycle, and Serving's message while it is True — reconcile
   nothing;
 - a child: its owner (controller ownerReference, else the instance label), when that owner is cached:
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from .api import API_GROUP_VERSION, PLURAL, conditions, names
+from .api.probe import rollout_verdict
 from .controller import Controller
 from .k8s import Cache
 from .k8s.informer import Handler, Watched
@@ -61,6 +63,8 @@ def reconciler_inputs(obj: Mapping[str, Any] | None) -> Any:
         {k: status.get(k) for k in RECONCILER_FIELDS},
         [c for c in status.get("conditions") or [] if c.get("type") in conditions.RECONCILER_CONDITIONS],
         (serving.get("status"), serving.get("reason"), serving.get("message") if message_read else None),
+        # the probe's rollout verdict: the reconciler rolls a Blocked revision back (reconcile.rollback)
+        rollout_verdict(status.get("rollout")),
     )
 
 

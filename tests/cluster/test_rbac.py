@@ -436,6 +436,7 @@ EXPECTED_RIGHTS = {
     ("servedmodels.inference.servedmodel.io/status", "[patch]"),
     ("servedmodels.inference.servedmodel.io/finalizers", "[update]"),
     ("deployments.apps", "[get list watch create patch delete]"),
+    ("replicasets.apps", "[list]"),
     ("services", "[get list watch create patch delete]"),
     ("persistentvolumeclaims", "[list watch create patch delete]"),
     ("pods", "[list watch]"),

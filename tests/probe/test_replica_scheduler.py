@@ -154,7 +154,7 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
     old = [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS[:2])]
     for p in old:
         p["metadata"] |= {
-            "labels": {"pod-template-hash": "old1"},
+            "labels": {"inference.servedmodel.io/revision": "old1"},
             "creationTimestamp": "2026-12-01T10:00:00Z",
         }
     cluster = Cluster(body, old)
@@ -176,7 +176,7 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
             await asyncio.to_thread(set_faults, sims[2], chat_template="llama3")
             new = pod(PODS[2], "10.244.0.12")
             new["metadata"] |= {
-                "labels": {"pod-template-hash": "new2"},
+                "labels": {"inference.servedmodel.io/revision": "new2"},
                 "creationTimestamp": "2026-12-01T11:00:00Z",
             }
             cluster.pods[PODS[2]] = new

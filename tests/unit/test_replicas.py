@@ -369,7 +369,11 @@ def test_pod_template_carries_the_readiness_gate_by_default_unless_opted_out() -
     )  # nothing would open it
 
 
-def test_rollout_status_follows_the_newest_revision_through_its_gates() -> None:
+def test_rollout_status_proving_blocked_rolled_back_and_cleared_by_a_new_spec() -> None:
+    """The newest revision through its gates: Proven; a new one Proving (its first pod by name that has
+    not passed named, and why); Blocked past the deadline, remembering why; RolledBack while the
+    Deployment says it was rolled back from it; a Deployment applied from the spec again clears it."""
+
     def rev(
         name: str, revision: str, created: str, gate_status: str | None, reason: str = ""
     ) -> dict[str, Any]:
@@ -379,26 +383,95 @@ def test_rollout_status_follows_the_newest_revision_through_its_gates() -> None:
             else {"type": READINESS_GATE_CONDITION, "status": gate_status, "reason": reason}
         )
         p = pod(name, gate=g)
-        p["metadata"] |= {"labels": {"pod-template-hash": revision}, "creationTimestamp": created}
+        p["metadata"] |= {
+            "labels": {"inference.servedmodel.io/revision": revision},
+            "creationTimestamp": created,
+        }
         return p
 
-    old = {n: rev(n, "a1", "2026-12-01T10:00:00Z", "True", "ChatCompletionSucceeded") for n in ("q-a", "q-b")}
-    proven = replicas.rollout_status(old, None)
-    assert proven is not None
-    assert (proven.revision, proven.state, proven.passed, proven.total) == ("a1", "Proven", 2, 2)
-    assert proven.last_proven_revision == "a1"
+    def at(seconds: int) -> datetime:
+        return T0 + timedelta(seconds=seconds)
+
+    old = {n: rev(n, "a1", "2026-12-01T09:00:00Z", "True", "ChatCompletionSucceeded") for n in ("q-a", "q-b")}
+    st = replicas.rollout_status(old, None, at(0), 60)
+    assert st is not None
+    assert (st.revision, st.state, st.passed, st.total, st.last_proven_revision) == (
+        "a1",
+        "Proven",
+        2,
+        2,
+        "a1",
+    )
     rolling = {
-        **old,
-        "q-d": rev("q-d", "b2", "2026-12-01T11:00:00Z", None),
-        "q-c": rev("q-c", "b2", "2026-12-01T11:00:01Z", "False", "ChecksFailed"),
+        "q-a": old["q-a"],
+        "q-d": rev("q-d", "b2", "2026-12-01T10:00:00Z", None),
+        "q-c": rev("q-c", "b2", "2026-12-01T10:00:01Z", "False", "ChecksFailed"),
     }
-    st = replicas.rollout_status(rolling, proven)
+    st = replicas.rollout_status(rolling, st, at(0), 60)
     assert st is not None
     assert (st.revision, st.state, st.passed, st.total) == ("b2", "Proving", 0, 2)
-    assert (st.failing_pod, st.failing_reason) == ("q-c", "ChecksFailed")  # the first by name
+    assert (st.failing_pod, st.failing_reason, st.since) == ("q-c", "ChecksFailed", "2026-12-01T10:00:00Z")
     assert st.last_proven_revision == "a1"
-    rolling["q-c"] = rev("q-c", "b2", "2026-12-01T11:00:01Z", "True", "ChatCompletionSucceeded")
-    st = replicas.rollout_status(rolling, st)
+    cond = replicas.rollout_condition(st, [], 3, at(0))
+    assert (cond.type, cond.status, cond.reason) == ("RolloutBlocked", "False", "RolloutProving")
+    st = replicas.rollout_status(rolling, st, at(59), 60)
     assert st is not None
-    assert (st.failing_pod, st.failing_reason) == ("q-d", "NotProbedYet")
-    assert replicas.rollout_status({"x": pod("x")}, None) is None  # no revision label: no rollout to tell
+    assert st.state == "Proving"
+    st = replicas.rollout_status(rolling, st, at(61), 60)
+    assert st is not None
+    assert (st.state, st.blocked_revision) == ("Blocked", "b2")
+    assert st.blocked_message == "pod q-c: ChecksFailed; Proving for 61 s (progressDeadlineSeconds 60)"
+    cond = replicas.rollout_condition(st, [], 3, at(61))
+    assert (cond.status, cond.reason) == ("True", "ChecksFailed")
+    # rolled back: the Deployment runs a1's template again, its new pods are a1's
+    back = {"q-a": old["q-a"], "q-e": rev("q-e", "a1", "2026-12-01T10:02:00Z", None)}
+    reverted = replicas.rollout_status(back, st, at(120), 60)  # the same pods, the spec applied again
+    assert reverted is not None
+    assert (reverted.state, reverted.blocked_revision) == ("Proving", None)
+    st = replicas.rollout_status(back, st, at(120), 60, rolled_back_from="b2")
+    assert st is not None
+    assert (st.revision, st.state, st.blocked_revision) == ("a1", "RolledBack", "b2")
+    back["q-e"] = rev("q-e", "a1", "2026-12-01T10:02:00Z", "True", "ChatCompletionSucceeded")
+    st = replicas.rollout_status(back, st, at(180), 60, rolled_back_from="b2")
+    assert st is not None
+    assert (st.state, st.passed, st.blocked_revision, st.last_proven_revision) == (
+        "RolledBack",
+        2,
+        "b2",
+        "a1",
+    )
+    cond = replicas.rollout_condition(st, [], 3, at(180))
+    assert (cond.status, cond.reason) == ("True", "RolledBack")
+    assert "revision b2 was blocked (pod q-c: ChecksFailed" in cond.message
+    # the user fixes the spec: the Deployment is applied from it (no annotation), revision c3
+    fixed = {**back, "q-f": rev("q-f", "c3", "2026-12-01T10:05:00Z", "True", "ChatCompletionSucceeded")}
+    st = replicas.rollout_status(fixed, st, at(300), 60)
+    assert st is not None
+    assert (st.revision, st.state, st.blocked_revision, st.last_proven_revision) == (
+        "c3",
+        "Proven",
+        None,
+        "c3",
+    )
+    assert replicas.rollout_status({"x": pod("x")}, None, at(0), 60) is None  # no revision label: no rollout
+
+
+def test_the_last_proven_revision_is_never_blocked_against_itself() -> None:
+    """A revision never proven is Blocked past the deadline (with nothing to roll back to); the last
+    proven revision, whose pod restarted, is Proving again and never Blocked."""
+    p = pod("q-a")
+    p["metadata"] |= {
+        "labels": {"inference.servedmodel.io/revision": "a1"},
+        "creationTimestamp": "2026-12-01T09:00:00Z",
+    }
+    previous = replicas.rollout_status({"q-a": p}, None, T0, 60)
+    assert previous is not None
+    assert previous.state == "Proving"
+    later = replicas.rollout_status({"q-a": p}, previous, T0 + timedelta(hours=1), 60)
+    assert later is not None
+    assert later.state == "Blocked"  # never proven at all: blocked, but there is nothing to roll back to
+    assert later.last_proven_revision is None
+    proven = previous.model_copy(update={"last_proven_revision": "a1", "state": "Proven"})
+    again = replicas.rollout_status({"q-a": p}, proven, T0 + timedelta(hours=1), 60)
+    assert again is not None
+    assert again.state == "Proving"

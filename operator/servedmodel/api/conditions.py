@@ -9,7 +9,7 @@ field manager owns its own entries; see docs/architecture-reconcile.md):
 
 - the reconciler (field manager `servedmodel-operator`): Ready, Progressing, Degraded, InvalidSpec;
 - the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet,
-  EngineStalled, KVCachePressure, ProbeUnreliable.
+  EngineStalled, KVCachePressure, ProbeUnreliable, RolloutBlocked.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ __all__ = [
     "READY",
     "RECONCILER_CONDITIONS",
     "REPLICAS_FAILING",
+    "ROLLED_BACK",
+    "ROLLOUT_BLOCKED",
     "SERVING",
     "TEMPLATE_OK",
     "ConditionStatus",
@@ -50,6 +52,10 @@ KV_CACHE_PRESSURE: Final = "KVCachePressure"
 # True while the probe itself cannot be trusted to judge the engine (a Secret it cannot read, its own
 # connection pool exhausted, its own loop stalled): the readiness gate stays as it was meanwhile.
 PROBE_UNRELIABLE: Final = "ProbeUnreliable"
+# The newest engine revision did not pass its readiness gates in time (probe/replicas.rollout_status); the
+# reconciler's Degraded then says RolledBack once it put the last proven revision's pod template back.
+ROLLOUT_BLOCKED: Final = "RolloutBlocked"
+ROLLED_BACK: Final = "RolledBack"
 # Serving=True with this reason: some replicas serve, others fail their own probe (probe/replicas.py);
 # the reconciler makes it Degraded.
 REPLICAS_FAILING: Final = "ReplicasFailing"
@@ -62,6 +68,7 @@ PROBE_CONDITIONS: Final = (
     ENGINE_STALLED,
     KV_CACHE_PRESSURE,
     PROBE_UNRELIABLE,
+    ROLLOUT_BLOCKED,
 )
 
 

@@ -13,6 +13,14 @@ ENGINE_PORT_NAME = "http"
 MANAGED_BY = "servedmodel-operator"
 PART_OF = "servedmodel"
 ENGINE_LABEL = "inference.servedmodel.io/engine"
+# On the engine pod template: a digest of the rest of the template, so the probe can tell a new revision's
+# pods from the old ones' and the reconciler knows which revision it renders (the Deployment controller's
+# pod-template-hash cannot be computed outside Go).
+REVISION_LABEL = "inference.servedmodel.io/revision"
+# On the engine Deployment while it runs the last proven revision instead of the spec's (reconcile.rollback):
+# the blocked revision it was rolled back from. The probe keeps status.rollout's blockedRevision while it is
+# there; a Deployment applied from the spec again (fixed or reverted) has none.
+ROLLED_BACK_FROM_ANNOTATION = "inference.servedmodel.io/rolled-back-from"
 
 
 def deployment_name(name: str) -> str:

@@ -410,13 +410,49 @@ class PodProbe(ApiModel):
     consecutive_successes: int = Field(default=0, ge=0, description="Successful probes of this pod in a row.")
 
 
+class RolloutSpec(ApiModel):
+    """What the operator does with a new engine revision whose pods do not pass their readiness gate."""
+
+    progress_deadline_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=86400,
+        description=(
+            "How long a new revision may stay Proving (some of its pods' gates closed) before it is "
+            "Blocked. Count the engine's start-up in it: a pod not yet probed counts as not passed."
+        ),
+    )
+    automatic_rollback: bool = Field(
+        default=True,
+        description=(
+            "Roll a Blocked revision back: the engine Deployment gets the pod template of the last "
+            "revision that was Proven (from its ReplicaSet), spec stays as written, Degraded says "
+            "RolledBack until the spec changes. False: the rollout stays where it stopped."
+        ),
+    )
+
+
 class RolloutStatus(ApiModel):
     """The newest revision of the engine pods (their pod-template-hash) proving itself: a pod of it
     takes traffic only once its readiness gate opened, after a full request path passed, checks included."""
 
-    revision: str = Field(max_length=63, description="pod-template-hash of the newest engine pods.")
-    state: Literal["Proving", "Proven"] = Field(
-        description="Proven: every pod of the revision passed its gate; Proving: some have not yet."
+    revision: str = Field(
+        max_length=63,
+        description="The newest engine pods' revision (label inference.servedmodel.io/revision).",
+    )
+    state: Literal["Proving", "Proven", "Blocked", "RolledBack"] = Field(
+        description=(
+            "Proven: every pod of the revision passed its gate; Proving: some have not yet; Blocked: "
+            "Proving past spec.rollout.progressDeadlineSeconds; RolledBack: the pods are the last proven "
+            "revision's again, blockedRevision remembered until the spec changes."
+        )
+    )
+    since: str | None = Field(default=None, description="RFC 3339 time this revision was first seen Proving.")
+    blocked_revision: str | None = Field(
+        default=None, max_length=63, description="The revision that was Blocked (rolled back while it stays)."
+    )
+    blocked_message: str | None = Field(
+        default=None, max_length=1024, description="Why it was Blocked: its failing pod, reason and message."
     )
     passed: int = Field(ge=0, description="Pods of the revision whose readiness gate is open.")
     total: int = Field(ge=0, description="Pods of the revision that exist.")
@@ -433,6 +469,12 @@ class RolloutStatus(ApiModel):
     last_proven_revision: str | None = Field(
         default=None, max_length=63, description="The newest revision that was Proven (this one once it is)."
     )
+
+
+def rollout_verdict(rollout: object) -> tuple[object, ...]:
+    """What the reconciler acts on in status.rollout (reconcile.rollback): a change of it reconciles."""
+    r = rollout if isinstance(rollout, dict) else {}
+    return tuple(r.get(k) for k in ("blockedRevision", "lastProvenRevision", "blockedMessage"))
 
 
 class ProbeStatus(ApiModel):

@@ -20,7 +20,7 @@ from pydantic import (
 
 from .autoscaling import ServedModelAutoscaling
 from .base import ApiModel, cel
-from .probe import ProbeSpec
+from .probe import ProbeSpec, RolloutSpec
 
 # Kubernetes' resource.Quantity pattern (as controller-gen writes it).
 QUANTITY_PATTERN = (
@@ -603,6 +603,10 @@ class ServedModelSpec(ApiModel):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Prometheus scraping.")
     probe: ProbeSpec = Field(
         default_factory=ProbeSpec, description="Request-path probe with real chat requests."
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="New engine revisions through the readiness gate: the deadline, automatic rollback.",
     )
 
     @model_validator(mode="after")

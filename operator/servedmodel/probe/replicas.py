@@ -36,14 +36,16 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+from servedmodel.api import names
 from servedmodel.api.base import Condition
 from servedmodel.api.conditions import (
     ENGINE_STALLED,
     KV_CACHE_PRESSURE,
     PROBE_UNRELIABLE,
     REPLICAS_FAILING,
+    ROLLOUT_BLOCKED,
     ConditionStatus,
     find,
     transition,
@@ -53,7 +55,7 @@ from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatu
 from . import errors
 from .client import ProbeOutcome
 from .metrics import MetricsSnapshot, combine, delta
-from .report import rfc3339
+from .report import parse_rfc3339, rfc3339
 
 MIN_STALL_WINDOW_S: Final = 1.0
 # The probe's own chat got no token in time: together with a flat generation counter, a stall.
@@ -423,19 +425,23 @@ def gate_condition(
     return {**condition, "lastProbeTime": stamp}
 
 
-REVISION_LABEL: Final = "pod-template-hash"  # the Deployment controller's, on every pod of a ReplicaSet
-
-
 def rollout_status(
-    pods: Mapping[str, Mapping[str, Any]], previous: RolloutStatus | None
+    pods: Mapping[str, Mapping[str, Any]],
+    previous: RolloutStatus | None,
+    now: datetime,
+    deadline_s: float,
+    rolled_back_from: str | None = None,
 ) -> RolloutStatus | None:
     """status.rollout from the engine pods as they are after this cycle's gate writes: the newest revision
-    (the pod-template-hash of the most recently created pods), how many of its pods passed their gate,
-    the first (by name) that has not and why; last_proven_revision carries on from `previous`."""
+    (names.REVISION_LABEL of the most recently created pods), how many of its pods passed their gate,
+    the first (by name) that has not and why; Blocked once it has been Proving for `deadline_s` (unless
+    it is the last proven revision: nothing to go back to); RolledBack while the engine Deployment says
+    it was rolled back from the blocked revision (`rolled_back_from`, its annotation) and its pods are
+    the last proven revision's again. A Deployment applied from the spec again (fixed, or reverted)
+    clears the block. None when no pod carries a revision."""
     revisions: dict[str, list[Mapping[str, Any]]] = {}
     for p in pods.values():
-        meta = p.get("metadata") or {}
-        revision = (meta.get("labels") or {}).get(REVISION_LABEL)
+        revision = ((p.get("metadata") or {}).get("labels") or {}).get(names.REVISION_LABEL)
         if revision:
             revisions.setdefault(str(revision), []).append(p)
     if not revisions:
@@ -451,18 +457,71 @@ def rollout_status(
         gate = find((p.get("status") or {}).get("conditions"), READINESS_GATE_CONDITION)
         if gate is None or gate.get("status") != "True":
             closed.append((str((p.get("metadata") or {}).get("name")), gate))
-    proven = not closed
-    last = newest if proven else (previous.last_proven_revision if previous is not None else None)
+    last = previous.last_proven_revision if previous is not None else None
+    blocked = previous.blocked_revision if previous is not None else None
+    blocked_message = previous.blocked_message if previous is not None else None
+    if blocked is not None and newest != blocked and rolled_back_from != blocked:
+        blocked = blocked_message = None  # the Deployment runs the spec again: fixed or reverted
+    since = previous.since if previous is not None and previous.revision == newest else None
     failing_pod, gate = closed[0] if closed else (None, None)
+    failing_reason = (
+        (str(gate.get("reason"))[:128] if gate is not None else "NotProbedYet") if closed else None
+    )
+    message = (str(gate.get("message") or "")[:1024] or None) if gate is not None else None
+    state: Literal["Proving", "Proven", "Blocked", "RolledBack"]
+    if not closed:
+        since = None
+        if blocked is not None and newest != blocked:
+            state = "RolledBack"
+        else:
+            state, blocked, blocked_message = "Proven", None, None
+        last = newest
+    else:
+        since = since or rfc3339(now, "seconds")
+        started = parse_rfc3339(since) or now
+        proving_s = (now - started).total_seconds()
+        if blocked is not None and newest == blocked:
+            state = "Blocked"
+        elif blocked is not None and newest == last:
+            state = "RolledBack"
+        elif newest != last and proving_s > deadline_s:
+            state, blocked = "Blocked", newest
+            blocked_message = (
+                f"pod {failing_pod}: {failing_reason}: {message or ''}".rstrip(": ")
+                + f"; Proving for {proving_s:.0f} s (progressDeadlineSeconds {deadline_s:.0f})"
+            )[:1024]
+        else:
+            state = "Proving"
     return RolloutStatus(
         revision=newest[:63],
-        state="Proven" if proven else "Proving",
+        state=state,
+        since=since,
         passed=len(members) - len(closed),
         total=len(members),
         failing_pod=failing_pod,
-        failing_reason=(str(gate.get("reason"))[:128] if gate is not None else "NotProbedYet")
-        if closed
-        else None,
-        message=(str(gate.get("message") or "")[:1024] or None) if gate is not None else None,
+        failing_reason=failing_reason,
+        message=message,
         last_proven_revision=last,
+        blocked_revision=blocked,
+        blocked_message=blocked_message,
     )
+
+
+def rollout_condition(
+    rollout: RolloutStatus, existing: Sequence[Mapping[str, Any]], generation: int | None, now: datetime
+) -> Condition:
+    """RolloutBlocked: True while the newest revision is Blocked (reason: why its pod's gate is closed)
+    or was rolled back (RolledBack, with why it was blocked); False while it is Proving or Proven."""
+    if rollout.state == "Blocked":
+        reason = rollout.failing_reason or "ProgressDeadlineExceeded"
+        text = f"revision {rollout.revision}: {rollout.blocked_message or ''}"
+        return _condition(ROLLOUT_BLOCKED, "True", reason, text, existing, generation, now)
+    if rollout.state == "RolledBack":
+        text = (
+            f"revision {rollout.blocked_revision} was blocked ({rollout.blocked_message or ''}): the engine "
+            f"runs revision {rollout.revision} again; spec unchanged: fix it and apply again"
+        )
+        return _condition(ROLLOUT_BLOCKED, "True", "RolledBack", text, existing, generation, now)
+    reason = "RolloutProven" if rollout.state == "Proven" else "RolloutProving"
+    text = f"revision {rollout.revision}: {rollout.passed}/{rollout.total} pods passed their readiness gate"
+    return _condition(ROLLOUT_BLOCKED, "False", reason, text, existing, generation, now)

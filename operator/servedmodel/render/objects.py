@@ -13,8 +13,12 @@ External mode (spec.endpoint) renders nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from servedmodel.access import AllowList
 from servedmodel.api import ServedModel, names
@@ -313,9 +317,26 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
             # Rollouts may take as long as the startup budget before the Deployment calls it stuck.
             "progressDeadlineSeconds": eng.startup_timeout_seconds + 600,
             "revisionHistoryLimit": 3,
-            "template": {"metadata": _pod_metadata(cr, ctx), "spec": pod_spec},
+            "template": with_revision({"metadata": _pod_metadata(cr, ctx), "spec": pod_spec}),
         },
     }
+
+
+def template_revision(template: Mapping[str, Any]) -> str:
+    """The revision of a rendered pod template: a digest of it without its own revision label. Only
+    ever computed from what the operator renders (what the API server returns has defaults filled in):
+    the objects it made carry the label, and are known by it."""
+    meta = dict(template.get("metadata") or {})
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != names.REVISION_LABEL}
+    body = {**template, "metadata": {**meta, "labels": labels}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:10]
+
+
+def with_revision(template: Obj) -> Obj:
+    """`template` labelled with its revision."""
+    meta = dict(template.get("metadata") or {})
+    labels = {**(meta.get("labels") or {}), names.REVISION_LABEL: template_revision(template)}
+    return {**template, "metadata": {**meta, "labels": dict(sorted(labels.items()))}}
 
 
 def service(cr: ServedModel) -> Obj:
