@@ -72,6 +72,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": ".status.rollout.state",
+        "description": "The newest engine revision through its readiness gates: Proving, Proven, Blocked, "
+        "RolledBack (status.rollout has the pod and the check).",
+        "priority": 1,
+    },
+    {
         "name": "Desired",
         "type": "integer",
         "jsonPath": ".status.autoscaling.desiredReplicas",
