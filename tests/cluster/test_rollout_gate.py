@@ -1,11 +1,12 @@
 """A new engine revision proves the request path before it takes traffic, and one that cannot is rolled
 back: on the real control plane (the Deployment controller rolls, kwok runs the pods and honours the
-readiness gate), the operator as a process, its probe mapped to two simulators on 127.0.0.1.
+readiness gate), the operator as a process, its probe mapped to three simulators on 127.0.0.1.
 
 The revision is the pods' inference.servedmodel.io/revision label. A mapper thread keeps the per-pod
-endpoint override current: pods of the first revision go to a good simulator, pods of any later
-revision to one rendering a Llama 3 chat template for a Qwen model (its chats complete, its template
-check fails), until the test says the later revisions are good too. The same thread samples the
+endpoint override current: pods of the first revision go to the good simulators (no two live pods to
+one: with maxSurge 0 at most two are live), pods of any later revision to one rendering a Llama 3 chat
+template for a Qwen model (its chats complete, its template check fails), until the test says the
+later revisions are good too. The same thread samples the
 Service's EndpointSlice: at least one ready endpoint at every sample is the "old pods keep serving".
 """
 
@@ -57,12 +58,16 @@ class Mapper(threading.Thread):
         selector = "app.kubernetes.io/instance=qwen,app.kubernetes.io/component=engine"
         pods = self.cp.request("GET", f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={selector}")
         lines = []
+        serving = 0  # good pods mapped so far: each its own good engine, as each pod has its own
         for p in sorted(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", "")):
             revision = (p["metadata"].get("labels") or {}).get(REVISION_LABEL)
             if revision is None or p["metadata"].get("deletionTimestamp"):
                 continue
             self.first_revision = self.first_revision or revision
-            url = self.good if self.all_good or revision == self.first_revision else self.bad
+            if self.all_good or revision == self.first_revision:
+                url, serving = self.good[serving % len(self.good)], serving + 1
+            else:
+                url = self.bad
             lines.append(f"{self.namespace}/qwen/{p['metadata']['name']}={url}")
         self.path.write_text("\n".join(lines) + "\n")
         if self.sampling:
@@ -87,20 +92,27 @@ def test_a_revision_with_a_broken_template_is_held_then_rolled_back_and_a_good_o
     override.write_text("# filled by the mapper\n")
     with (
         SimulatorProcess(SIM_ARGS, ready_timeout=60) as good,
+        SimulatorProcess(SIM_ARGS, ready_timeout=60) as good_too,
         SimulatorProcess(SIM_ARGS, ready_timeout=60) as bad,
     ):
         httpx.post(
             f"{bad.base_url}/admin/faults", json={"chat_template": "llama3"}, timeout=5
         ).raise_for_status()
         op = start_operator(namespaces=[namespace], endpoint_override=f"@{override}")
-        mapper = Mapper(cp, namespace, override, good.base_url, bad.base_url)
+        mapper = Mapper(cp, namespace, override, [good.base_url, good_too.base_url], bad.base_url)
         mapper.start()
         try:
             probe = {"interval": 5, "checkLimits": False}  # the readiness gate: on by default
             spec = {"replicas": 2, "servedModelName": "qwen", "probe": probe}
-            apply(
-                cp, namespace, served_model("qwen", **spec, rollout={"progressDeadlineSeconds": DEADLINE_S})
-            )
+            rollout_spec = {"progressDeadlineSeconds": DEADLINE_S}
+            apply(cp, namespace, served_model("qwen", **spec, rollout=rollout_spec))
+
+            def revision(value: str) -> dict[str, Any]:
+                """Apply a spec change that makes a new revision (an engine env var); its engine spec."""
+                engine = {"maxModelLen": 4096, "env": [{"name": "REVISION", "value": value}]}
+                apply(cp, namespace, served_model("qwen", **spec, engine=engine, rollout=rollout_spec))
+                return engine
+
             first = cluster_support.wait_for(
                 "the first revision Proven on both pods",
                 lambda: (r := rollout(cp, namespace)).get("state") == "Proven" and r.get("passed") == 2 and r,
@@ -113,12 +125,7 @@ def test_a_revision_with_a_broken_template_is_held_then_rolled_back_and_a_good_o
             assert mapper.first_revision == r0
 
             # A spec change: a new revision, whose pods render the wrong template.
-            engine = {"maxModelLen": 4096, "env": [{"name": "REVISION", "value": "two"}]}
-            apply(
-                cp,
-                namespace,
-                served_model("qwen", **spec, engine=engine, rollout={"progressDeadlineSeconds": DEADLINE_S}),
-            )
+            engine = revision("two")
             proving = cluster_support.wait_for(
                 "the new revision held by its gate (ChecksFailed)",
                 lambda: (
@@ -162,12 +169,7 @@ def test_a_revision_with_a_broken_template_is_held_then_rolled_back_and_a_good_o
 
             # A good edit goes through the gate: a third revision, whose pods serve the right template.
             mapper.all_good = True
-            engine = {"maxModelLen": 4096, "env": [{"name": "REVISION", "value": "three"}]}
-            apply(
-                cp,
-                namespace,
-                served_model("qwen", **spec, engine=engine, rollout={"progressDeadlineSeconds": DEADLINE_S}),
-            )
+            revision("three")
             done = cluster_support.wait_for(
                 "the third revision Proven on both pods",
                 lambda: (

@@ -20,6 +20,11 @@ from servedmodel.sim.process import SimulatorProcess
 PODS = ("qwen-7d9f-a", "qwen-7d9f-b", "qwen-7d9f-c")
 
 
+def one_each(sims: list[SimulatorProcess]) -> str:
+    """The per-pod endpoint override: PODS[i] is sims[i]."""
+    return ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
+
+
 @pytest.fixture(scope="module")
 def sims() -> Iterator[list[SimulatorProcess]]:
     with (
@@ -110,10 +115,9 @@ def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorPr
     gate open (status.probe.pods[] says the pod failed, once); the next success resets its count."""
     body = served_model(readinessGate=True)
     cluster = Cluster(body, [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS)])
-    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
 
     async def main() -> None:
-        sched = scheduler(cluster, override)
+        sched = scheduler(cluster, one_each(sims))
         sched.track(body)
         try:
             await sched.run_cycle(("ns", "qwen"))
@@ -158,10 +162,9 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
             "creationTimestamp": "2026-12-01T10:00:00Z",
         }
     cluster = Cluster(body, old)
-    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
 
     async def main() -> None:
-        sched = scheduler(cluster, override)
+        sched = scheduler(cluster, one_each(sims))
         sched.track(body)
         try:
             await sched.run_cycle(("ns", "qwen"))
@@ -215,10 +218,9 @@ def test_bounded_rotation_over_many_replicas(sims: list[SimulatorProcess]) -> No
     """Two pods per cycle of three: each cycle probes the next two, pods[] keeps all three."""
     body = served_model()
     cluster = Cluster(body, [pod(n, "10.244.0.9") for n in PODS])
-    override = ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
 
     async def main() -> None:
-        sched = scheduler(cluster, override, probe_max_pods_per_cycle=2)
+        sched = scheduler(cluster, one_each(sims), probe_max_pods_per_cycle=2)
         sched.track(body)
         try:
             probed = []

@@ -744,7 +744,11 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
         family, out.rendered, roles, out.tokenize_count, usage_prompt, tokenize_error=out.tokenize_error
     )
     out.checks["stop"] = check_stop(spec.stop, t.content, t.finish_reason, t.stop_reason, out.learned_stop)
-    out.checks["usage"] = check_usage(t.usage, len(t.token_ns), len(out.timings), out.window, out.isolated)
+    gauges = out.after.gauges if out.after is not None else {}
+    in_flight = gauges.get("running", 0) + gauges.get("waiting", 0) > 0
+    out.checks["usage"] = check_usage(
+        t.usage, len(t.token_ns), len(out.timings), out.window, out.isolated, in_flight
+    )
 
 
 @contextlib.asynccontextmanager
