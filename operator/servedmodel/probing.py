@@ -59,7 +59,14 @@ from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient, NotFoundError
 from .probe import errors
-from .probe.client import MetricsReader, PodMetrics, ProbeOutcome, http_timeout, run_probe
+from .probe.client import (
+    PROBE_LOOP_STALLED,
+    MetricsReader,
+    PodMetrics,
+    ProbeOutcome,
+    http_timeout,
+    run_probe,
+)
 from .probe.endpoints import (
     ProbeTarget,
     parse_override,
@@ -72,7 +79,6 @@ from .probe.errors import ProbeFailure
 from .probe.loop import GC_WATCH, MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
-    PROBE_LOOP_STALLED,
     PodResult,
     Window,
     aggregate,
@@ -272,7 +278,7 @@ class ProbeMetrics:
         if out.failure is not None:
             self.failures.labels(namespace, name, out.failure.reason).inc()
             return
-        if out.probe_stall_first_token or out.probe_stall_decode:
+        if out.stall_took_figures:
             self.stalled_samples.inc()
         f = publishable_figures(out)  # not a lump, not read by a stalled prober: the engine's figures
         if f is not None:

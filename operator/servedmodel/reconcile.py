@@ -324,7 +324,7 @@ PostEvents = Callable[[Mapping[str, Any], list[Transition]], Awaitable[None]]
 
 
 async def rollback(
-    client: KubeClient, cr: ServedModel, objects: list[dict[str, Any]], previous: Any
+    client: KubeClient, reader: Reader, cr: ServedModel, objects: list[dict[str, Any]], previous: Any
 ) -> Problem | None:
     """Put the last proven revision's pod template into the rendered Deployment when the probe says the
     revision this spec renders is Blocked (status.rollout, probe/replicas.rollout_status) and
@@ -345,17 +345,12 @@ async def rollback(
     if not blocked or blocked != rendered or not good or good == rendered:
         return None
     why = f"revision {blocked} did not pass the readiness gate ({rollout.get('blockedMessage') or 'blocked'})"
+    namespace = str(cr.namespace or "default")
     selector = {**names.selector_labels(cr.name), names.REVISION_LABEL: str(good)}
-    sets = await client.list("apps/v1", "replicasets", cr.namespace, label_selector=selector)
-    owner = ("Deployment", str(deployment["metadata"]["name"]))
-    owned = [
-        rs
-        for rs in sets
-        if any(
-            (r.get("kind"), r.get("name")) == owner
-            for r in (rs.get("metadata") or {}).get("ownerReferences") or []
-        )
-    ]
+    sets = await client.list("apps/v1", "replicasets", namespace, label_selector=selector)
+    live = await reader.get("apps/v1", "deployments", namespace, str(deployment["metadata"]["name"]))
+    uid = str(((live or {}).get("metadata") or {}).get("uid") or "")
+    owned = [rs for rs in sets if uid and owned_by(rs, uid)]
     if not owned:
         return Problem(
             ROLLBACK_UNAVAILABLE, f"{why}; no ReplicaSet of revision {good} is left to roll back to"
@@ -460,7 +455,7 @@ async def reconcile(
                 client, namespace, cr.name, secrets_handed_on(cr, config, objects)
             )
         if invalid is None:
-            rolled_back = await rollback(client, cr, objects, previous)
+            rolled_back = await rollback(client, reader, cr, objects, previous)
 
     if invalid is not None:
         # Children of the last good spec stay as they are (and may still serve); say what is wrong.

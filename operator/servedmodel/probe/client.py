@@ -178,6 +178,12 @@ class ProbeOutcome:
         return self.failure is None
 
     @property
+    def stall_took_figures(self) -> bool:
+        """A stall of the probe's own loop overlapped the first token or the decode: some client figures
+        are the prober's (publishable_figures leaves them out)."""
+        return self.probe_stall_first_token or self.probe_stall_decode
+
+    @property
     def timing(self) -> StreamTiming | None:
         return self.timings[0] if self.timings else None
 
@@ -731,7 +737,7 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
     out.cached_prompt_tokens = _cached_prompt_tokens(out)
     out.checks["streaming"] = check_streaming(out.delivery)
-    if (out.probe_stall_first_token or out.probe_stall_decode) and out.delivery.coalesced:
+    if out.stall_took_figures and out.delivery.coalesced:
         out.checks["streaming"] = skipped(
             PROBE_LOOP_STALLED,
             f"the probe's own loop was held up {out.probe_stall_ms:.1f} ms while the stream was read: "

@@ -53,7 +53,7 @@ from servedmodel.api.conditions import (
 from servedmodel.api.probe import READINESS_GATE_CONDITION, PodProbe, ProbeStatus, RolloutStatus
 
 from . import errors
-from .client import ProbeOutcome
+from .client import PROBE_LOOP_STALLED, ProbeOutcome
 from .metrics import MetricsSnapshot, combine, delta
 from .report import parse_rfc3339, rfc3339
 
@@ -64,7 +64,6 @@ KV_PRESSURE_USAGE: Final = 0.9
 # Failures on the operator's side (it could not read a Secret, its own pool had no connection free): they
 # say nothing about the pod, so its readiness gate keeps what it had.
 OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE, errors.PROBE_POOL_EXHAUSTED})
-PROBE_LOOP_STALLED: Final = "ProbeLoopStalled"
 # A pod's gate stays closed: its chat completed, but a check of the request path failed.
 CHECKS_FAILED: Final = "ChecksFailed"
 
@@ -332,11 +331,11 @@ def replica_conditions(
     were read: server-side apply would drop what this cycle left out), and ProbeUnreliable."""
     out = [*_gauge_conditions(probed, existing, generation, now)]
     unreliable = [r for r in probed if r.operator_side]
-    stalled = [r for r in probed if r.outcome.probe_stall_first_token or r.outcome.probe_stall_decode]
+    stalled = [r for r in probed if r.outcome.stall_took_figures]
     if unreliable:
         reason = unreliable[0].reason if unreliable[0].reason in OPERATOR_SIDE else PROBE_LOOP_STALLED
         text = "; ".join(f"pod {r.name}: {r.reason}: {r.message}" for r in unreliable)
-        out.append(_condition(PROBE_UNRELIABLE, "True", reason, text[:1000], existing, generation, now))
+        out.append(_condition(PROBE_UNRELIABLE, "True", reason, text, existing, generation, now))
     elif stalled:
         text = "; ".join(f"pod {r.name}: read while the probe's own loop was stalled" for r in stalled)
         out.append(_condition(PROBE_UNRELIABLE, "True", PROBE_LOOP_STALLED, text, existing, generation, now))

@@ -128,7 +128,7 @@ def publishable_figures(out: ProbeOutcome) -> ClientFigures | None:
     f = out.figures
     if f is None:
         return None
-    stalled = out.probe_stall_first_token or out.probe_stall_decode
+    stalled = out.stall_took_figures
     if not stalled and out.delivery is not None and out.delivery.coalesced:
         return dataclasses.replace(f, ttft_ms=None, tpot_ms=None, itl_ms=[], itl_p50_ms=None, itl_p95_ms=None)
     if out.probe_stall_first_token:
@@ -141,7 +141,7 @@ def publishable_figures(out: ProbeOutcome) -> ClientFigures | None:
 def stall_text(out: ProbeOutcome) -> str | None:
     """'the probe's own loop was stalled (held up 193.0 ms at once; Python's garbage collector, generation
     2, 190.2 ms of it) while the tokens came: TPOT/ITL not measured', or None when no stall mattered."""
-    if out.probe_stall_ms is None or not (out.probe_stall_first_token or out.probe_stall_decode):
+    if out.probe_stall_ms is None or not out.stall_took_figures:
         return None
     cause = ""
     if out.probe_stall_gc is not None:
