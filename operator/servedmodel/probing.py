@@ -79,17 +79,22 @@ from .probe.errors import ProbeFailure
 from .probe.loop import GC_WATCH, MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop
 from .probe.prometheus import PrometheusMetrics
 from .probe.replicas import (
+    TEMPLATE_CHANGED,
     PodResult,
     Window,
     aggregate,
     gate_condition,
+    known_fingerprints,
     kv_pressure_verdict,
+    latency_regression,
     merge_pods,
+    pod_revision,
     replica_conditions,
     rollout_condition,
     rollout_status,
     stall_verdict,
     summarize,
+    template_change,
 )
 from .probe.report import build_status, parse_rfc3339, probe_conditions, publishable_figures
 from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
@@ -759,7 +764,7 @@ class ProbeScheduler:
             plan = await self._plan(model, spec)
             previous = previous_probe_status(status, model.last_status)
             if plan.targets:
-                probed = await self._probe_pods(model, spec, plan.targets)
+                probed = await self._probe_pods(model, spec, plan.targets, _previous_rollout(model, status))
                 out = aggregate(probed)
             elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
                 # It served before and now no pod can be probed: say so once, then wait quietly.
@@ -874,10 +879,25 @@ class ProbeScheduler:
         return _Plan(targets, eligible, len(existing), pods_by_name, why)
 
     async def _probe_pods(
-        self, model: _Model, spec: ServedModelSpec, targets: list[_PodTarget]
+        self,
+        model: _Model,
+        spec: ServedModelSpec,
+        targets: list[_PodTarget],
+        rollout: RolloutStatus | None,
     ) -> list[PodResult]:
-        """Probe the pods concurrently, each with its own /metrics; verdicts from this and the last cycle."""
+        """Probe the pods concurrently, each with its own /metrics; verdicts from this and the last cycle.
+        With the gate on, the first pod of a revision status.rollout has no template fingerprint of
+        also takes one."""
         namespace, name = model.key
+        fingerprinted = set(known_fingerprints(rollout)) if spec.probe.readiness_gate else None
+        fingerprint: list[bool] = []
+        for t in targets:
+            revision = pod_revision(t.pod)
+            fingerprint.append(
+                fingerprinted is not None and revision is not None and revision not in fingerprinted
+            )
+            if fingerprinted is not None and revision is not None:
+                fingerprinted.add(revision)
         served = spec.resolved_served_model_name
         async with self._client(spec.probe) as http:
             try:
@@ -916,6 +936,7 @@ class ProbeScheduler:
                         model=served,
                         api_key=api_key,
                         metrics=reader,
+                        fingerprint=fingerprint[i],
                     )
                 )
 
@@ -983,6 +1004,7 @@ class ProbeScheduler:
         before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
         entries = {p.name: p for p in new.pods or []}
         now = datetime.now(UTC)
+        held = self._latency_held(spec, probed, plan, _previous_rollout(model, status))
         for r in probed:
             pod = plan.pods.get(r.name)
             if pod is None:
@@ -1007,6 +1029,7 @@ class ProbeScheduler:
                     now,
                     failure_threshold=spec.probe.failure_threshold,
                     success_threshold=spec.probe.success_threshold,
+                    held=held.get(r.name),
                 )
                 if cond is not None:
                     try:
@@ -1025,7 +1048,9 @@ class ProbeScheduler:
                             "readiness gate of pod %s/%s: %s %s", namespace, r.name, exc.status, exc.reason
                         )
         if spec.probe.readiness_gate:
-            self._rollout(model, body, spec, plan, status, patch, now)
+            changed = self._rollout(model, body, spec, plan, probed, status, patch, now)
+            if changed is not None:
+                await self._event(body, "Normal", TEMPLATE_CHANGED, changed)
         old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
         if model.last_patch is not None:
             old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
@@ -1040,32 +1065,56 @@ class ProbeScheduler:
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
 
+    def _latency_held(
+        self, spec: ServedModelSpec, probed: list[PodResult], plan: _Plan, rollout: RolloutStatus | None
+    ) -> dict[str, str]:
+        """Pod name -> why its closed gate stays closed: a pod of a revision other than the last proven
+        one, slower than that revision's serving pods probed in this cycle (latency_regression)."""
+        proven = rollout.last_proven_revision if rollout is not None else None
+        if proven is None:
+            return {}
+        revision = {r.name: pod_revision(plan.pods.get(r.name)) for r in probed}
+        baseline = [r for r in probed if r.serving and revision[r.name] == proven]
+        held: dict[str, str] = {}
+        for r in probed:
+            if r.serving and revision[r.name] not in (None, proven):
+                why = latency_regression(r, baseline, spec.rollout.max_latency_regression)
+                if why is not None:
+                    held[r.name] = why
+        return held
+
     def _rollout(
         self,
         model: _Model,
         body: Obj,
         spec: ServedModelSpec,
         plan: _Plan,
+        probed: list[PodResult],
         status: Mapping[str, Any],
         patch: dict[str, Any],
         now: datetime,
-    ) -> None:
-        """status.rollout and RolloutBlocked into `patch`, from the pods after this cycle's gate writes."""
-        previous = status.get("rollout")
-        if model.last_patch is not None and isinstance(model.last_patch.get("rollout"), dict):
-            previous = model.last_patch["rollout"]  # ours, newer than the cache's copy may be
+    ) -> str | None:
+        """status.rollout and RolloutBlocked into `patch`, from the pods after this cycle's gate writes;
+        the TemplateChanged Event's message when this cycle's fingerprint says the template changed."""
+        previous = _previous_rollout(model, status)
         namespace, name = model.key
         deployment = self.cache.get("Deployment", namespace, deployment_name(name)) if self.cache else None
         annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+        fingerprints = {
+            revision: r.outcome.template_fingerprint
+            for r in probed
+            if r.outcome.template_fingerprint and (revision := pod_revision(plan.pods.get(r.name)))
+        }
         rollout = rollout_status(
             plan.pods,
-            RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None,
+            previous,
             now,
             spec.rollout.progress_deadline_seconds,
             annotations.get(ROLLED_BACK_FROM_ANNOTATION),
+            fingerprints,
         )
         if rollout is None:
-            return
+            return None
         patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
         generation = (body.get("metadata") or {}).get("generation")
         cond = rollout_condition(rollout, status.get("conditions") or [], generation, now)
@@ -1073,6 +1122,7 @@ class ProbeScheduler:
             *(c for c in patch["conditions"] if c.get("type") != ROLLOUT_BLOCKED),
             cond.model_dump(by_alias=True, exclude_none=True),
         ]
+        return template_change(previous, rollout)
 
     def _write_through(self, kind: str, obj: Obj) -> Obj:
         """Our write's answer into the cache, so the next cycle does not act on a copy older than what
@@ -1239,6 +1289,14 @@ class ProbeScheduler:
             )
             [out] = self._redacted(namespace, name, out)
             return out
+
+
+def _previous_rollout(model: _Model, status: Mapping[str, Any]) -> RolloutStatus | None:
+    """status.rollout as this operator last wrote it (newer than the cache's copy may be), else as read."""
+    previous = status.get("rollout")
+    if model.last_patch is not None and isinstance(model.last_patch.get("rollout"), dict):
+        previous = model.last_patch["rollout"]
+    return RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None
 
 
 def _keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from servedmodel.api import families
 from servedmodel.probe import checks
 from servedmodel.probe.checks import LearnedStop
 from servedmodel.probe.metrics import WindowDelta
@@ -19,6 +20,17 @@ LLAMA3 = (
 )
 
 
+# The same system + user conversation as other families' templates render it (token_strs joined).
+BAR = "\uff5c"  # DeepSeek's full-width bar
+RENDERED = {
+    "mistral": "<s>[INST]▁You▁are▁helpful<0x0A><0x0A>Count[/INST]",  # system folded into the user turn
+    "deepseek": f"<{BAR}begin▁of▁sentence{BAR}>You▁are▁helpful<{BAR}User{BAR}>Count<{BAR}Assistant{BAR}>",
+    "gemma": "<bos><start_of_turn>user\nYou▁are▁helpful\n\nCount<end_of_turn>\n<start_of_turn>model\n",
+    "chatml": CHATML,
+}
+CHATML_FAMILY = families.BY_NAME["chatml"]
+
+
 @pytest.mark.parametrize(
     ("names", "family"),
     [
@@ -26,31 +38,50 @@ LLAMA3 = (
         (("my-model", "/models/Qwen3-8B"), "chatml"),
         (("meta-llama/Llama-3.1-8B-Instruct", None), "llama3"),
         (("ibm-granite/granite-3.3-8b-instruct", None), "granite"),
+        (("r1", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"), "deepseek"),  # DeepSeek's template, not Qwen's
+        (("mistralai/Mistral-7B-Instruct-v0.3", None), "mistral"),
+        (("google/gemma-3-4b-it", None), "gemma"),
         (("mystery", None), None),
     ],
 )
 def test_family_from_name_or_root(names: tuple[str, str | None], family: str | None) -> None:
-    assert checks.family_of(*names) == family
+    found = families.family_of(*names)
+    assert (found.name if found is not None else None) == family
+
+
+@pytest.mark.parametrize("family", sorted(RENDERED))
+def test_each_familys_own_rendering_passes_and_the_others_fail(family: str) -> None:
+    """Every family's markers are found in its own template's rendering of a system + user conversation
+    (roles without a marker of their own, like Mistral's and Gemma's system, are not asked for), and
+    in no other family's."""
+    own = checks.check_template(families.BY_NAME[family], RENDERED[family], ["system", "user"], 9, 9)
+    assert (own.result, own.reason) == ("Pass", "PromptTokensMatch"), own.message
+    for other, text in RENDERED.items():
+        if other != family:
+            c = checks.check_template(families.BY_NAME[family], text, ["system", "user"], 9, 9)
+            assert (c.result, c.reason) == ("Fail", "RoleMarkersMissing"), (family, other)
 
 
 def test_template_passes_with_markers_and_matching_count() -> None:
-    c = checks.check_template("chatml", CHATML, ["user"], 19, 19)
+    c = checks.check_template(CHATML_FAMILY, CHATML, ["user"], 19, 19)
     assert (c.result, c.reason) == ("Pass", "PromptTokensMatch")
 
 
 def test_template_fails_when_another_familys_template_renders() -> None:
-    c = checks.check_template("chatml", LLAMA3, ["user"], 12, 12)
+    c = checks.check_template(CHATML_FAMILY, LLAMA3, ["user"], 12, 12)
     assert (c.result, c.reason) == ("Fail", "RoleMarkersMissing")
     assert "<|im_start|>user" in c.message
 
 
 def test_template_fails_on_count_mismatch() -> None:
-    c = checks.check_template("chatml", CHATML, ["user"], 19, 23)
+    c = checks.check_template(CHATML_FAMILY, CHATML, ["user"], 19, 23)
     assert (c.result, c.reason) == ("Fail", "PromptTokensMismatch")
 
 
 def test_template_fails_when_tokenize_fails() -> None:
-    c = checks.check_template("chatml", None, ["user"], None, 19, tokenize_error="POST /tokenize: HTTP 500")
+    c = checks.check_template(
+        CHATML_FAMILY, None, ["user"], None, 19, tokenize_error="POST /tokenize: HTTP 500"
+    )
     assert (c.result, c.reason) == ("Fail", "TokenizeFailed")
 
 

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from probe_support import set_faults
 from replica_support import Cluster, kv_pressure_under_load, pod, scheduler, served_model
@@ -175,6 +176,9 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
                 "Proven",
                 "old1",
             )
+            chatml = rollout["fingerprint"]
+            assert chatml.startswith("sha256:")
+            assert rollout["lastProvenFingerprint"] == chatml
 
             await asyncio.to_thread(set_faults, sims[2], chat_template="llama3")
             new = pod(PODS[2], "10.244.0.12")
@@ -198,6 +202,13 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
             assert (rollout["failingPod"], rollout["failingReason"]) == (PODS[2], "ChecksFailed")
             assert rollout["message"].startswith("template: RoleMarkersMissing")
             assert rollout["lastProvenRevision"] == "old1"
+            # The new revision renders the reference conversation to other token ids: said once, as an Event.
+            llama3 = rollout["fingerprint"]
+            assert llama3 not in (None, chatml)
+            assert rollout["lastProvenFingerprint"] == chatml
+            changed = [e for e in cluster.events if e[2] == "TemplateChanged"]
+            assert len(changed) == 1, cluster.events
+            assert f"{chatml} → {llama3}" in changed[0][3]
 
             await asyncio.to_thread(set_faults, sims[2], chat_template=None)
             await sched.run_cycle(("ns", "qwen"))
@@ -206,12 +217,69 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
             assert (rollout["revision"], rollout["state"], rollout["passed"]) == ("new2", "Proven", 1)
             assert rollout["lastProvenRevision"] == "new2"
             assert "failingPod" not in rollout
+            assert rollout["lastProvenFingerprint"] == llama3  # taken once per revision, kept
         finally:
             await asyncio.to_thread(set_faults, sims[2], reset=True)
             await asyncio.to_thread(set_faults, sims[2], chat_template=None)
             await sched.stop()
 
     asyncio.run(main())
+
+
+def test_a_slower_new_revision_is_held_by_the_latency_guard(sims: list[SimulatorProcess]) -> None:
+    """Two pods of the proven revision serve; a new revision's pod answers right, its checks pass, but
+    its engine steps 10x slower: compared in the same cycle with the old pods, its gate stays closed
+    (LatencyRegression, TTFT or TPOT with the ratio). At the old pods' speed it opens."""
+    body = served_model()
+    old = [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS[:2])]
+    for p in old:
+        p["metadata"] |= {
+            "labels": {"inference.servedmodel.io/revision": "old1"},
+            "creationTimestamp": "2026-12-01T10:00:00Z",
+        }
+    cluster = Cluster(body, old)
+    config = httpx.get(f"{sims[2].base_url}/admin/config", timeout=5).json()
+
+    async def main() -> None:
+        sched = scheduler(cluster, one_each(sims))
+        sched.track(body)
+        try:
+            await sched.run_cycle(("ns", "qwen"))
+            assert cluster.body["status"]["rollout"]["state"] == "Proven"
+            slow = {"step_base_ms": config["step_base_ms"] * 10}
+            r = await asyncio.to_thread(httpx.post, f"{sims[2].base_url}/admin/config", json=slow, timeout=5)
+            r.raise_for_status()
+            new = pod(PODS[2], "10.244.0.12")
+            new["metadata"] |= {
+                "labels": {"inference.servedmodel.io/revision": "new2"},
+                "creationTimestamp": "2026-12-01T11:00:00Z",
+            }
+            cluster.pods[PODS[2]] = new
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
+            rollout = cluster.body["status"]["rollout"]
+            assert (rollout["state"], rollout["failingPod"], rollout["failingReason"]) == (
+                "Proving",
+                PODS[2],
+                "LatencyRegression",
+            )
+            assert "spec.rollout.maxLatencyRegression" in rollout["message"]
+            assert rollout["message"].startswith(("TTFT", "TPOT")), rollout["message"]
+            back = {"step_base_ms": config["step_base_ms"]}
+            r = await asyncio.to_thread(httpx.post, f"{sims[2].base_url}/admin/config", json=back, timeout=5)
+            r.raise_for_status()
+            await sched.run_cycle(("ns", "qwen"))
+            assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            assert cluster.body["status"]["rollout"]["state"] == "Proven"
+        finally:
+            await sched.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        httpx.post(
+            f"{sims[2].base_url}/admin/config", json={"step_base_ms": config["step_base_ms"]}, timeout=5
+        )
 
 
 def test_bounded_rotation_over_many_replicas(sims: list[SimulatorProcess]) -> None:

@@ -3,6 +3,7 @@ pods, "k/n" and the Serving message, the readiness-gate condition, per-pod overr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -475,3 +476,84 @@ def test_the_last_proven_revision_is_never_blocked_against_itself() -> None:
     again = replicas.rollout_status({"q-a": p}, proven, T0 + timedelta(hours=1), 60)
     assert again is not None
     assert again.state == "Proving"
+
+
+def timed(name: str, ttft: float, tpot: float = 2.0) -> PodResult:
+    r = PodResult(name, "u", outcome(None, None, ttft=ttft))
+    assert r.outcome.figures is not None
+    r.outcome.figures = replace(r.outcome.figures, tpot_ms=tpot)
+    return r
+
+
+@pytest.mark.parametrize(
+    ("new", "baseline", "held"),
+    [
+        (timed("n", 90.0), [timed("o1", 30.0), timed("o2", 31.0)], "TTFT 90.0 ms against 30.5 ms"),
+        (timed("n", 40.0), [timed("o1", 30.0)], None),  # x1.3: within x1.5
+        (timed("n", 12.0), [timed("o1", 4.0)], None),  # x3, but 8 ms: the machine's noise
+        (timed("n", 30.0, tpot=60.0), [timed("o1", 30.0, tpot=20.0)], "TPOT 60.0 ms against 20.0 ms"),
+        (timed("n", 90.0), [], None),  # nothing to compare with
+    ],
+    ids=["ttft-x3", "within-ratio", "under-noise-floor", "tpot-x3", "no-baseline"],
+)
+def test_latency_regression_against_the_proven_revisions_pods(
+    new: PodResult, baseline: list[PodResult], held: str | None
+) -> None:
+    assert_verdict(replicas.latency_regression(new, baseline, 1.5), held)
+
+
+def test_latency_regression_ignores_figures_a_stall_of_the_probe_took() -> None:
+    slow = timed("n", 90.0)
+    slow.outcome.probe_stall_first_token = True
+    assert replicas.latency_regression(slow, [timed("o1", 30.0)], 1.5) is None
+
+
+def test_a_held_pod_keeps_its_gate_closed_and_an_open_one_is_not_closed() -> None:
+    """A new revision's pod that serves and passes its checks but is slower stays out (LatencyRegression,
+    the guard's message); without the hold it opens; an open gate is not closed by it."""
+    ok, _, _ = results()
+    held = replicas.gate_condition(ok, replicas.pod_entry(ok, None), pod("q-a"), T0, held="TTFT x3")
+    assert held is not None
+    assert (held["status"], held["reason"], held["message"]) == ("False", "LatencyRegression", "TTFT x3")
+    opened, _ = gate(ok, pod("q-a", gate=held))
+    assert opened is not None
+    assert opened["status"] == "True"
+    entry = replicas.pod_entry(ok, None)
+    assert replicas.gate_condition(ok, entry, pod("q-a", gate=opened), T0, held="TTFT x3") is None
+
+
+def test_fingerprints_kept_per_revision_and_a_change_is_said_once() -> None:
+    """The newest revision's fingerprint is taken once and kept; Proven makes it the last proven one's;
+    a later revision whose rendering differs is a TemplateChanged message the cycle it is taken, not after."""
+
+    def revision_pods(revision: str, created: str, status: str) -> dict[str, Any]:
+        p = pod("q-" + revision, gate={"type": READINESS_GATE_CONDITION, "status": status, "reason": "x"})
+        p["metadata"] |= {
+            "labels": {"inference.servedmodel.io/revision": revision},
+            "creationTimestamp": created,
+        }
+        return {p["metadata"]["name"]: p}
+
+    a = revision_pods("a1", "2026-12-01T09:00:00Z", "True")
+    first = replicas.rollout_status(a, None, T0, 60, fingerprints={"a1": "sha256:aaaa/20"})
+    assert first is not None
+    assert (first.fingerprint, first.last_proven_fingerprint) == ("sha256:aaaa/20", "sha256:aaaa/20")
+    assert replicas.template_change(None, first) is None
+    assert replicas.known_fingerprints(first) == {"a1": "sha256:aaaa/20"}
+    b = {**a, **revision_pods("b2", "2026-12-01T09:30:00Z", "False")}
+    proving = replicas.rollout_status(b, first, T0, 60)
+    assert proving is not None
+    assert (proving.revision, proving.fingerprint) == ("b2", None)  # not taken yet
+    taken = replicas.rollout_status(b, proving, T0, 60, fingerprints={"b2": "sha256:bbbb/23"})
+    assert taken is not None
+    assert (taken.fingerprint, taken.last_proven_fingerprint) == ("sha256:bbbb/23", "sha256:aaaa/20")
+    said = replicas.template_change(proving, taken)
+    assert said is not None
+    assert_verdict(said, "revision b2", "sha256:aaaa/20 → sha256:bbbb/23", "revision a1")
+    later = replicas.rollout_status(b, taken, T0, 60)
+    assert later is not None
+    assert later.fingerprint == "sha256:bbbb/23"
+    assert replicas.template_change(taken, later) is None  # said once
+    same = replicas.rollout_status(b, proving, T0, 60, fingerprints={"b2": "sha256:aaaa/20"})
+    assert same is not None
+    assert replicas.template_change(proving, same) is None  # the same rendering: nothing to say

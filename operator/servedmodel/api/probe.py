@@ -430,6 +430,17 @@ class RolloutSpec(ApiModel):
             "RolledBack until the spec changes. False: the rollout stays where it stopped."
         ),
     )
+    max_latency_regression: float = Field(
+        default=1.5,
+        ge=1.0,
+        le=100.0,
+        description=(
+            "A new revision's pod keeps its gate closed (LatencyRegression) while its probe's TTFT or "
+            "TPOT is more than this many times the median of the last proven revision's serving pods "
+            "probed in the same cycle (and more than 20 ms TTFT / 5 ms TPOT above it: below that it is "
+            "noise). No such pod in the cycle (a single replica replaced in place): not compared."
+        ),
+    )
 
 
 class RolloutStatus(ApiModel):
@@ -468,6 +479,19 @@ class RolloutStatus(ApiModel):
     message: str | None = Field(default=None, max_length=1024, description="That pod's gate message.")
     last_proven_revision: str | None = Field(
         default=None, max_length=63, description="The newest revision that was Proven (this one once it is)."
+    )
+    fingerprint: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "How this revision's chat template renders spec.probe.messages: sha256:<16 hex>/<token "
+            "count> over the token ids of /tokenize, taken from its first pod probed."
+        ),
+    )
+    last_proven_fingerprint: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The last proven revision's fingerprint (a new one that differs: TemplateChanged).",
     )
 
 

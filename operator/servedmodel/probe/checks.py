@@ -5,36 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from servedmodel.api.families import ChatFamily
 from servedmodel.api.probe import ProbeCheck
 
 from .metrics import WindowDelta
 from .sse import LUMP_MIN_TOKENS, Delivery
-
-# Chat template families: how a role opens in the rendered prompt ({role} is replaced), and the turn end.
-TEMPLATE_FAMILIES: dict[str, tuple[str, str]] = {
-    "chatml": ("<|im_start|>{role}", "<|im_end|>"),  # Qwen
-    "llama3": ("<|start_header_id|>{role}<|end_header_id|>", "<|eot_id|>"),
-    "granite": ("<|start_of_role|>{role}<|end_of_role|>", "<|end_of_text|>"),
-    "gemma": ("<start_of_turn>{role}", "<end_of_turn>"),
-}
-# Substrings of a model id/path -> family (first match wins).
-FAMILY_HINTS: tuple[tuple[str, str], ...] = (
-    ("qwen", "chatml"),
-    ("llama-3", "llama3"),
-    ("llama3", "llama3"),
-    ("granite", "granite"),
-    ("gemma", "gemma"),
-)
-
-
-def family_of(*names: str | None) -> str | None:
-    """Template family from the served model name or its path (/v1/models `id`, `root`)."""
-    for name in names:
-        low = (name or "").lower()
-        for hint, family in FAMILY_HINTS:
-            if hint in low:
-                return family
-    return None
 
 
 def pass_(reason: str, message: str = "") -> ProbeCheck:
@@ -50,7 +25,7 @@ def skipped(reason: str, message: str = "") -> ProbeCheck:
 
 
 def check_template(
-    family: str | None,
+    family: ChatFamily | None,
     rendered: str | None,
     roles: Sequence[str],
     tokenize_count: int | None,
@@ -68,18 +43,14 @@ def check_template(
     elif rendered is None:
         notes.append("no token strings: role markers not checked")
     else:
-        opener, closer = TEMPLATE_FAMILIES[family]
-        gemma = family == "gemma"
-        wanted = [opener.format(role="model" if gemma and r == "assistant" else r) for r in roles]
-        wanted.append(opener.format(role="model" if gemma else "assistant"))  # generation prompt
-        wanted.append(closer)
-        missing = [w for w in dict.fromkeys(wanted) if w not in rendered]
+        missing = [m for m in family.markers(roles) if m not in rendered]
         if missing:
             return fail(
                 "RoleMarkersMissing",
-                f"{family} template expected; rendered prompt lacks {', '.join(repr(m) for m in missing)}",
+                f"{family.name} template expected; rendered prompt lacks "
+                + ", ".join(repr(m) for m in missing),
             )
-        notes.append(f"{family} role markers present")
+        notes.append(f"{family.name} role markers present")
     if usage_prompt_tokens is None:
         return pass_("RoleMarkersPresent", "; ".join([*notes, "no usage to compare the token count with"]))
     if usage_prompt_tokens != tokenize_count:

@@ -2,7 +2,8 @@
 
 door (GET /health, GET /v1/models) -> template (POST /tokenize) -> metrics before -> streamed chat
 (timed on the monotonic clock) -> metrics after -> limits (oversized prompt) and the learned stop (the same
-chat again with a stop string taken from the first answer) -> checks.
+chat again with a stop string taken from the first answer) -> the template's fingerprint (when asked)
+-> checks.
 Each cycle's chat starts its first user message with a fresh nonce, so its prefill is cold (vLLM's prefix
 cache would otherwise serve the same prompt from the second cycle on and flatter TTFT).
 Every request has explicit connect/first-byte/total limits; failures become a `ProbeFailure` reason in
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import random
 import statistics
 import time
@@ -25,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from servedmodel.api.families import family_of
 from servedmodel.api.probe import ProbeCheck, ProbeSpec
 
 from . import bounds, errors
@@ -35,7 +38,6 @@ from .checks import (
     check_streaming,
     check_template,
     check_usage,
-    family_of,
     pick_stop_string,
     skipped,
 )
@@ -172,6 +174,9 @@ class ProbeOutcome:
     probe_stall_decode: bool = False
     probe_stall_gc: tuple[float, int] | None = None
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
+    # The chat template's rendering of spec.probe.messages as written (no nonce): "sha256:<16 hex>/<n>"
+    # over the token ids, n of them. Taken only when asked (once per engine revision, by the rollout gate).
+    template_fingerprint: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -533,8 +538,10 @@ async def run_probe(
     model: str | None = None,
     api_key: str | None = None,
     metrics: MetricsReader | None = None,
+    fingerprint: bool = False,
 ) -> ProbeOutcome:
-    """One probe cycle. Never raises for a probe failure (cancellation still propagates).
+    """One probe cycle. Never raises for a probe failure (cancellation still propagates). `fingerprint`:
+    also take the template's fingerprint (ProbeOutcome.template_fingerprint).
 
     Deadlines: the chat phase (door, tokenize, metrics before, the streams) within spec.timeout; what
     follows (metrics after, limits, learned stop) within one more spec.timeout; all of it within
@@ -597,6 +604,8 @@ async def run_probe(
     if out.ok:
         await _limits_check(client, base, spec, api_key, out, after_end, deadline)
         await _learned_stop(client, base, spec, api_key, out, after_end, deadline)
+        if fingerprint:
+            await _fingerprint(client, base, spec, api_key, out, after_end, deadline)
         _request_checks(spec, out)
     _redact(out, api_key)
     out.ended = datetime.now(UTC)
@@ -682,6 +691,42 @@ async def _limits_check(
         )
         return
     out.checks["limits"] = check_limits(spec.check_limits, out.max_model_len, status, message, error)
+
+
+def template_fingerprint(token_ids: Sequence[int]) -> str:
+    """A short, stable name for one rendering: equal token ids, equal fingerprint."""
+    digest = hashlib.sha256(",".join(str(i) for i in token_ids).encode()).hexdigest()
+    return f"sha256:{digest[:16]}/{len(token_ids)}"
+
+
+async def _fingerprint(
+    client: httpx.AsyncClient,
+    base: str,
+    spec: ProbeSpec,
+    api_key: str | None,
+    out: ProbeOutcome,
+    until: float,
+    deadline_s: float,
+) -> None:
+    """POST /tokenize of the probe's messages as the spec writes them: the same template renders them to
+    the same token ids on every pod and every cycle, whatever the nonce of the timed chats. Trouble
+    leaves no fingerprint (the template check, on the cycle's own /tokenize, says what is wrong)."""
+    body = {
+        "model": out.model,
+        "messages": [m.model_dump() for m in spec.messages],
+        "add_generation_prompt": True,
+    }
+    step = "POST /tokenize (fingerprint)"
+    try:
+        async with asyncio.timeout_at(until):
+            r = await _post(
+                client, f"{base}/tokenize", step, body, bounds.TOKENIZE_MAX_BYTES, deadline_s, api_key
+            )
+        ids = bounds.loads(r.body, step)["tokens"] if r.status_code == 200 else None
+    except (ProbeFailure, TimeoutError, KeyError, TypeError):
+        return
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        out.template_fingerprint = template_fingerprint(ids)
 
 
 async def _learned_stop(

@@ -66,6 +66,12 @@ KV_PRESSURE_USAGE: Final = 0.9
 OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE, errors.PROBE_POOL_EXHAUSTED})
 # A pod's gate stays closed: its chat completed, but a check of the request path failed.
 CHECKS_FAILED: Final = "ChecksFailed"
+# A new revision's pod's gate stays closed: it serves, but slower than the last proven revision's pods.
+LATENCY_REGRESSION: Final = "LatencyRegression"
+# Below these a difference is the machine's noise whatever the ratio (a 4 ms TTFT that became 7 ms).
+LATENCY_NOISE_MS: Final = {"TTFT": 20.0, "TPOT": 5.0}
+# The Event when a new revision's chat template renders the reference conversation differently.
+TEMPLATE_CHANGED: Final = "TemplateChanged"
 
 
 @dataclass(frozen=True)
@@ -370,6 +376,40 @@ def _gauge_conditions(
     ]
 
 
+def pod_revision(pod: Mapping[str, Any] | None) -> str | None:
+    """The engine revision a pod runs (names.REVISION_LABEL), None for a pod without one."""
+    revision = (((pod or {}).get("metadata") or {}).get("labels") or {}).get(names.REVISION_LABEL)
+    return str(revision) if revision else None
+
+
+def latency_regression(r: PodResult, baseline: Sequence[PodResult], max_ratio: float) -> str | None:
+    """Why `r`, a new revision's pod, is too slow next to `baseline` (the last proven revision's serving
+    pods probed in the same cycle), or None: its TTFT or TPOT above max_ratio times their median and above
+    it by more than LATENCY_NOISE_MS. Figures a stall of the probe's own loop took are not compared."""
+
+    def figure(x: PodResult, attr: str) -> float | None:
+        fig = x.outcome.figures
+        if fig is None or x.outcome.stall_took_figures:
+            return None
+        value: float | None = getattr(fig, attr)
+        return value
+
+    for label, attr in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
+        new = figure(r, attr)
+        old = [v for b in baseline if (v := figure(b, attr)) is not None]
+        if new is None or not old:
+            continue
+        median = statistics.median(old)
+        if new > max_ratio * median and new - median > LATENCY_NOISE_MS[label]:
+            ratio = f"x{new / median:.1f}" if median > 0 else "from 0"
+            return (
+                f"{label} {new:.1f} ms against {median:.1f} ms, the median of {len(old)} pod(s) of the last "
+                f"proven revision probed in this cycle: {ratio} > x{max_ratio:g} "
+                "(spec.rollout.maxLatencyRegression)"
+            )
+    return None
+
+
 def gate_condition(
     r: PodResult,
     entry: PodProbe,
@@ -378,11 +418,13 @@ def gate_condition(
     *,
     failure_threshold: int = 1,
     success_threshold: int = 1,
+    held: str | None = None,
 ) -> dict[str, Any] | None:
     """The readiness-gate pod condition to write for this pod after its cycle (`entry`: its counts in
     status.probe.pods[]), None when what it has is still right: an open gate stays open until
     failure_threshold engine failures in a row, a closed or new one opens after success_threshold
-    successes in a row, and an operator-side failure changes nothing."""
+    successes in a row, and an operator-side failure changes nothing. `held`: why a closed gate stays
+    closed although the pod serves and its checks pass (latency_regression's message)."""
     if r.operator_side:
         return None
     conds = (pod.get("status") or {}).get("conditions") or []
@@ -399,6 +441,8 @@ def gate_condition(
             status, reason, message = "True", "ChatCompletionSucceeded", r.message
         elif failed:
             status, reason, message = "False", CHECKS_FAILED, "; ".join(failed)
+        elif held is not None:
+            status, reason, message = "False", LATENCY_REGRESSION, held
         elif entry.consecutive_successes >= success_threshold:
             status, reason, message = "True", "ChatCompletionSucceeded", r.message
         else:
@@ -424,12 +468,25 @@ def gate_condition(
     return {**condition, "lastProbeTime": stamp}
 
 
+def known_fingerprints(previous: RolloutStatus | None) -> dict[str, str]:
+    """Revision -> template fingerprint, as status.rollout remembers them (a revision in it needs none
+    taken again)."""
+    if previous is None:
+        return {}
+    pairs = [
+        (previous.last_proven_revision, previous.last_proven_fingerprint),
+        (previous.revision, previous.fingerprint),
+    ]
+    return {r: f for r, f in pairs if r and f}
+
+
 def rollout_status(
     pods: Mapping[str, Mapping[str, Any]],
     previous: RolloutStatus | None,
     now: datetime,
     deadline_s: float,
     rolled_back_from: str | None = None,
+    fingerprints: Mapping[str, str] | None = None,
 ) -> RolloutStatus | None:
     """status.rollout from the engine pods as they are after this cycle's gate writes: the newest revision
     (names.REVISION_LABEL of the most recently created pods), how many of its pods passed their gate,
@@ -437,12 +494,13 @@ def rollout_status(
     it is the last proven revision: nothing to go back to); RolledBack while the engine Deployment says
     it was rolled back from the blocked revision (`rolled_back_from`, its annotation) and its pods are
     the last proven revision's again. A Deployment applied from the spec again (fixed, or reverted)
-    clears the block. None when no pod carries a revision."""
+    clears the block. `fingerprints`: revision -> template fingerprint taken this cycle. None when no pod
+    carries a revision."""
     revisions: dict[str, list[Mapping[str, Any]]] = {}
     for p in pods.values():
-        revision = ((p.get("metadata") or {}).get("labels") or {}).get(names.REVISION_LABEL)
+        revision = pod_revision(p)
         if revision:
-            revisions.setdefault(str(revision), []).append(p)
+            revisions.setdefault(revision, []).append(p)
     if not revisions:
         return None
 
@@ -457,6 +515,8 @@ def rollout_status(
         if gate is None or gate.get("status") != "True":
             closed.append((str((p.get("metadata") or {}).get("name")), gate))
     last = previous.last_proven_revision if previous is not None else None
+    fingerprint = (fingerprints or {}).get(newest) or known_fingerprints(previous).get(newest)
+    last_fingerprint = previous.last_proven_fingerprint if previous is not None else None
     blocked = previous.blocked_revision if previous is not None else None
     blocked_message = previous.blocked_message if previous is not None else None
     if blocked is not None and newest != blocked and rolled_back_from != blocked:
@@ -474,7 +534,7 @@ def rollout_status(
             state = "RolledBack"
         else:
             state, blocked, blocked_message = "Proven", None, None
-        last = newest
+        last, last_fingerprint = newest, fingerprint
     else:
         since = since or rfc3339(now, "seconds")
         started = parse_rfc3339(since) or now
@@ -503,6 +563,22 @@ def rollout_status(
         last_proven_revision=last,
         blocked_revision=blocked,
         blocked_message=blocked_message,
+        fingerprint=fingerprint,
+        last_proven_fingerprint=last_fingerprint,
+    )
+
+
+def template_change(previous: RolloutStatus | None, rollout: RolloutStatus) -> str | None:
+    """The TemplateChanged Event's message: this cycle took the newest revision's first fingerprint and it
+    differs from the last proven revision's. None otherwise (no change, or not new this cycle)."""
+    if previous is None or rollout.fingerprint is None or rollout.revision in known_fingerprints(previous):
+        return None
+    old, old_revision = previous.last_proven_fingerprint, previous.last_proven_revision
+    if old is None or old == rollout.fingerprint or old_revision == rollout.revision:
+        return None
+    return (
+        f"revision {rollout.revision} renders spec.probe.messages differently from revision {old_revision}, "
+        f"the last proven: {old} → {rollout.fingerprint} (token ids, sha256/count)"
     )
 
 
