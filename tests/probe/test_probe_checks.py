@@ -28,7 +28,8 @@ RENDERED = {
     "gemma": "<bos><start_of_turn>user\nYou▁are▁helpful\n\nCount<end_of_turn>\n<start_of_turn>model\n",
     "chatml": CHATML,
 }
-CHATML_FAMILY = families.BY_NAME["chatml"]
+BY_NAME = {f.name: f for f in families.FAMILIES}
+CHATML_FAMILY = BY_NAME["chatml"]
 
 
 @pytest.mark.parametrize(
@@ -54,11 +55,11 @@ def test_each_familys_own_rendering_passes_and_the_others_fail(family: str) -> N
     """Every family's markers are found in its own template's rendering of a system + user conversation
     (roles without a marker of their own, like Mistral's and Gemma's system, are not asked for), and
     in no other family's."""
-    own = checks.check_template(families.BY_NAME[family], RENDERED[family], ["system", "user"], 9, 9)
+    own = checks.check_template(BY_NAME[family], RENDERED[family], ["system", "user"], 9, 9)
     assert (own.result, own.reason) == ("Pass", "PromptTokensMatch"), own.message
     for other, text in RENDERED.items():
         if other != family:
-            c = checks.check_template(families.BY_NAME[family], text, ["system", "user"], 9, 9)
+            c = checks.check_template(BY_NAME[family], text, ["system", "user"], 9, 9)
             assert (c.result, c.reason) == ("Fail", "RoleMarkersMissing"), (family, other)
 
 

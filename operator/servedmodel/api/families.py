@@ -76,7 +76,6 @@ FAMILIES: tuple[ChatFamily, ...] = (
         "[/INST]",
     ),
 )
-BY_NAME: Mapping[str, ChatFamily] = {f.name: f for f in FAMILIES}
 
 
 def family_of(*names: str | None) -> ChatFamily | None:

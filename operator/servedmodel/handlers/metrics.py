@@ -304,7 +304,7 @@ def authorizer(config: OperatorConfig, client: KubeClient) -> MetricsAuthorizer 
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, *args: Any) -> None:  # no access log on stderr
         return None
 
 
