@@ -2,12 +2,12 @@
 back: on the real control plane (the Deployment controller rolls, kwok runs the pods and honours the
 readiness gate), the operator as a process, its probe mapped to three simulators on 127.0.0.1.
 
-The revision is the pods' inference.servedmodel.io/revision label. A mapper thread keeps the per-pod
-endpoint override current: pods of the first revision go to the good simulators (no two live pods to
-one: with maxSurge 0 at most two are live), pods of any later revision to one rendering a Llama 3 chat
-template for a Qwen model (its chats complete, its template check fails), until the test says the
-later revisions are good too. The same thread samples the
-Service's EndpointSlice: at least one ready endpoint at every sample is the "old pods keep serving".
+The revision is the pods' inference.servedmodel.io/revision label. hack/rollout_rig.py's mapper keeps
+the per-pod endpoint override current: pods of the first revision go to the good simulators (no two
+live pods to one: with maxSurge 0 at most two are live), pods of any later revision to one rendering a
+Llama 3 chat template for a Qwen model (its chats complete, its template check fails), until the test
+says the later revisions are good too. It also samples the Service's EndpointSlice: at least one ready
+endpoint at every sample is the "old pods keep serving".
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from cluster_support import apply, condition, served_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane
+from rollout_rig import RevisionMapper
 from servedmodel.api.names import REVISION_LABEL, ROLLED_BACK_FROM_ANNOTATION
 from servedmodel.sim.process import SimulatorProcess
 
@@ -35,49 +35,6 @@ pytestmark = pytest.mark.cluster
 WAIT_S = 180.0
 SIM_ARGS = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-model-len", "4096"]
 DEADLINE_S = 15
-
-
-class Mapper(threading.Thread):
-    """Every 0.3 s: engine pods → the override file (by revision), and the EndpointSlice's ready count."""
-
-    def __init__(
-        self, cp: controlplane.ControlPlane, namespace: str, path: Path, good: list[str], bad: str
-    ) -> None:
-        super().__init__(name="override-mapper", daemon=True)
-        self.cp, self.namespace, self.path, self.good, self.bad = cp, namespace, path, good, bad
-        self.first_revision: str | None = None
-        self.all_good = False
-        self.ready_counts: list[int] = []
-        self.sampling = False  # from the first revision's Proven on
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.halt.wait(0.3):
-                self.step()
-        except BaseException as e:  # reported by the test, not lost in a thread
-            self.error = e
-
-    def step(self) -> None:
-        selector = "app.kubernetes.io/instance=qwen,app.kubernetes.io/component=engine"
-        pods = self.cp.request("GET", f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={selector}")
-        lines = []
-        serving = 0  # good pods mapped so far: each its own good engine, as each pod has its own
-        for p in sorted(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", "")):
-            revision = (p["metadata"].get("labels") or {}).get(REVISION_LABEL)
-            if revision is None or p["metadata"].get("deletionTimestamp"):
-                continue
-            self.first_revision = self.first_revision or revision
-            if self.all_good or revision == self.first_revision:
-                url, serving = self.good[serving % len(self.good)], serving + 1
-            else:
-                url = self.bad
-            lines.append(f"{self.namespace}/qwen/{p['metadata']['name']}={url}")
-        self.path.write_text("\n".join(lines) + "\n")
-        if self.sampling:
-            eps = self.cp.endpoint_ready(self.namespace, "qwen-engine")
-            self.ready_counts.append(sum(eps.values()))
 
 
 def sm(cp: controlplane.ControlPlane, namespace: str) -> dict[str, Any]:
@@ -96,7 +53,7 @@ class Rig:
     cp: controlplane.ControlPlane
     namespace: str
     operators: list[Any]
-    mapper: Mapper
+    mapper: RevisionMapper
     spec: dict[str, Any]
 
     def log(self) -> str:
@@ -118,15 +75,17 @@ class Rig:
         apply(self.cp, self.namespace, served_model("qwen", **self.spec, engine=engine))
         return engine
 
-    def assert_rolled_back(self, rolled: dict[str, Any], good: str, bad: str, engine: dict[str, Any]) -> None:
-        """The engine runs `good` again, `bad` is remembered, the spec is as written, and it says so."""
+    def assert_rolled_back(
+        self, rolled: dict[str, Any], good: str, bad: str, engine: dict[str, Any], why: str = "ChecksFailed"
+    ) -> None:
+        """The engine runs `good` again, `bad` is remembered (why), the spec is as written, and it says so."""
         assert (rolled["revision"], rolled["blockedRevision"], rolled["lastProvenRevision"]) == (
             good,
             bad,
             good,
         )
         assert "pod " in rolled["blockedMessage"]
-        assert "ChecksFailed" in rolled["blockedMessage"]
+        assert f": {why}: " in rolled["blockedMessage"], rolled["blockedMessage"]
         obj = sm(self.cp, self.namespace)
         assert obj["spec"]["engine"]["env"] == engine["env"]  # spec as the user wrote it
         degraded = condition(obj, "Degraded")
@@ -142,17 +101,22 @@ class Rig:
 
 @contextlib.contextmanager
 def rig(
-    cp: controlplane.ControlPlane, namespace: str, start_operator: Any, tmp_path: Path, operators: int = 1
+    cp: controlplane.ControlPlane,
+    namespace: str,
+    start_operator: Any,
+    tmp_path: Path,
+    operators: int = 1,
+    bad_args: list[str] = SIM_ARGS,
 ) -> Iterator[Rig]:
-    """Three simulators (two good, one rendering Llama 3's template for Qwen), the operators, the mapper,
-    the ServedModel applied and its first revision Proven on both pods; on the way out, the EndpointSlice
-    must have had a ready endpoint at every sample since."""
+    """Three simulators (two good, one the later revisions' engine: `bad_args`, rendering Llama 3's
+    template for Qwen), the operators, the mapper, the ServedModel applied and its first revision Proven
+    on both pods; on the way out, the EndpointSlice must have had a ready endpoint at every sample since."""
     override = tmp_path / "endpoints"
     override.write_text("# filled by the mapper\n")
     with (
         SimulatorProcess(SIM_ARGS, ready_timeout=60) as good,
         SimulatorProcess(SIM_ARGS, ready_timeout=60) as good_too,
-        SimulatorProcess(SIM_ARGS, ready_timeout=60) as bad,
+        SimulatorProcess(bad_args, ready_timeout=60) as bad,
     ):
         httpx.post(
             f"{bad.base_url}/admin/faults", json={"chat_template": "llama3"}, timeout=5
@@ -160,7 +124,8 @@ def rig(
         ops = [
             start_operator(namespaces=[namespace], endpoint_override=f"@{override}") for _ in range(operators)
         ]
-        mapper = Mapper(cp, namespace, override, [good.base_url, good_too.base_url], bad.base_url)
+        goods = [good.base_url, good_too.base_url]
+        mapper = RevisionMapper(cp, namespace, "qwen", override, goods, [bad.base_url])
         mapper.start()
         try:
             spec = {
@@ -179,8 +144,7 @@ def rig(
             mapper.sampling = True
             yield r
         finally:
-            mapper.halt.set()
-            mapper.join(10)
+            mapper.stop()
     assert mapper.error is None, mapper.error
     assert mapper.ready_counts, "the EndpointSlice was never sampled"
     assert min(mapper.ready_counts) >= 1, mapper.ready_counts  # the old pods served throughout
@@ -211,7 +175,7 @@ def test_a_revision_with_a_broken_template_is_held_then_rolled_back_and_a_good_o
         assert {"RolloutBlocked", "TemplateChanged"} <= reasons, reasons
 
         # A good edit goes through the gate: a third revision, whose pods serve the right template.
-        r.mapper.all_good = True
+        r.mapper.later = r.mapper.first
         r.revision("three")
         done = r.wait(
             "the third revision Proven on both pods",
@@ -232,6 +196,27 @@ def test_a_revision_with_a_broken_template_is_held_then_rolled_back_and_a_good_o
         )
         dep = r.cp.get_json("deployment", "qwen", "-n", namespace)
         assert ROLLED_BACK_FROM_ANNOTATION not in (dep["metadata"].get("annotations") or {})
+
+
+def test_a_revision_whose_engine_cannot_take_the_probe_prompt_is_rolled_back(
+    control_plane: controlplane.ControlPlane, namespace: str, start_operator: Any, tmp_path: Path
+) -> None:
+    """An engine flag that breaks generation: the new revision's engine runs with max_model_len 16, below
+    the probe's prompt. Its pod's probe fails at the door (PromptTooLong, vLLM's 400), its gate never
+    opens, and the revision is Blocked and rolled back."""
+    flag = [*SIM_ARGS[:-1], "16"]  # --max-model-len 16
+    with rig(control_plane, namespace, start_operator, tmp_path, bad_args=flag) as r:
+        r0 = str(r.mapper.first_revision)
+        engine = r.revision("two")
+        held = r.wait(
+            "the new revision held by its gate",
+            lambda x: x.get("revision") != r0 and x.get("failingReason") == "PromptTooLong",
+        )
+        rolled = r.wait(
+            "Blocked past the deadline, then rolled back",
+            lambda x: x.get("state") == "RolledBack" and x.get("passed") == 2,
+        )
+        r.assert_rolled_back(rolled, r0, held["revision"], engine, why="PromptTooLong")
 
 
 def test_the_leader_killed_mid_rollout_the_standby_rolls_the_same_revision_back(

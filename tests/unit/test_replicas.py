@@ -15,7 +15,13 @@ from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeCheck, ProbeSpe
 from servedmodel.probe import replicas
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
-from servedmodel.probe.errors import FIRST_BYTE_TIMEOUT, SECRET_UNAVAILABLE, STREAM_CUT, ProbeFailure
+from servedmodel.probe.errors import (
+    FIRST_BYTE_TIMEOUT,
+    PROMPT_TOO_LONG,
+    SECRET_UNAVAILABLE,
+    STREAM_CUT,
+    ProbeFailure,
+)
 from servedmodel.probe.metrics import MetricsSnapshot
 from servedmodel.probe.replicas import PodResult, Window
 from servedmodel.probe.report import build_status
@@ -557,3 +563,23 @@ def test_fingerprints_kept_per_revision_and_a_change_is_said_once() -> None:
     same = replicas.rollout_status(b, proving, T0, 60, fingerprints={"b2": "sha256:aaaa/20"})
     assert same is not None
     assert replicas.template_change(proving, same) is None  # the same rendering: nothing to say
+
+
+def test_a_probe_prompt_the_engine_cannot_take_holds_a_closed_gate_and_leaves_an_open_one() -> None:
+    """PromptTooLong (the probe's messages over max_model_len) may be the engine's flag or the probe's spec:
+    a new pod stays out, a serving pod stays in however many cycles it lasts."""
+    ok, _, _ = results()
+    too_long = ProbeFailure(
+        PROMPT_TOO_LONG, "POST /v1/chat/completions: HTTP 400: maximum context length is 16"
+    )
+    bad = PodResult("q-a", "u", outcome(None, None, failure=too_long))
+    closed, entry = gate(bad, pod("q-a"))
+    assert closed is not None
+    assert (closed["status"], closed["reason"]) == ("False", "PromptTooLong")
+    opened, entry = gate(ok, pod("q-a"))
+    assert opened is not None
+    p = pod("q-a", gate=opened)
+    for _ in range(5):
+        cond, entry = gate(bad, p, entry, failure_threshold=3)
+        assert cond is None
+    assert entry.consecutive_failures == 5

@@ -19,7 +19,8 @@ ProbeOutcome with that pod's own /metrics before and after. From those and the p
   them). To open, the pod's request path must pass whole, its checks included (template, limits, stop,
   usage, streaming: none Fail): a new pod, a new revision's above all, takes no traffic before it proved
   the template renders and the server stops and counts as it should. An open gate is not closed by a
-  failed check (the model answers; the check says what is wrong): only by the engine's failures. A
+  failed check (the model answers; the check says what is wrong), nor by a probe prompt the engine
+  cannot take (NOT_CLOSING): only by the engine's failures. A
   failure of the operator's own making (OPERATOR_SIDE, or no token in time while the probe's own loop
   was stalled) counts neither way and leaves the gate as it is: ProbeUnreliable says so instead.
 
@@ -64,6 +65,10 @@ KV_PRESSURE_USAGE: Final = 0.9
 # Failures on the operator's side (it could not read a Secret, its own pool had no connection free): they
 # say nothing about the pod, so its readiness gate keeps what it had.
 OPERATOR_SIDE: Final = frozenset({errors.SECRET_UNAVAILABLE, errors.PROBE_POOL_EXHAUSTED})
+# The probe's own request does not fit the engine (its messages over max_model_len): that may be the
+# engine's flag or the probe's spec, so it keeps a closed gate closed (a new revision that cannot take the
+# prompt is held) but never closes an open one (an edit of spec.probe must not empty the Service).
+NOT_CLOSING: Final = frozenset({errors.PROMPT_TOO_LONG})
 # A pod's gate stays closed: its chat completed, but a check of the request path failed.
 CHECKS_FAILED: Final = "ChecksFailed"
 # A new revision's pod's gate stays closed: it serves, but slower than the last proven revision's pods.
@@ -448,8 +453,8 @@ def gate_condition(
         else:
             status, reason = "False", "SuccessThresholdNotMet"
             message = f"{entry.consecutive_successes} of {success_threshold} successful probes in a row"
-    elif is_open and entry.consecutive_failures < failure_threshold:
-        return None  # open until failure_threshold failures in a row
+    elif is_open and (entry.consecutive_failures < failure_threshold or r.reason in NOT_CLOSING):
+        return None  # open until failure_threshold failures in a row of the engine's own
     else:
         status, reason, message = "False", r.reason, r.message
     if prev is not None and prev.get("status") == status and prev.get("reason") == reason:
