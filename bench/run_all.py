@@ -11,7 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["sim_throughput.py", "probe_accuracy.py", "operator_reconcile.py", "replica_fault.py"]
+BENCHES = [
+    "sim_throughput.py",
+    "probe_accuracy.py",
+    "operator_reconcile.py",
+    "replica_fault.py",
+    "rollout_gate.py",
+]
 
 
 def main() -> int:
