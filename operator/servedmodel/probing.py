@@ -53,11 +53,12 @@ from .api import API_GROUP_VERSION, PLURAL
 from .api.base import Key, Obj
 from .api.conditions import ENGINE_STALLED, KV_CACHE_PRESSURE, PROBE_UNRELIABLE, ROLLOUT_BLOCKED, SERVING
 from .api.conditions import find as find_condition
-from .api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels, selector_string
+from .api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels
 from .api.probe import ProbeSpec, ProbeStatus, RolloutStatus, rollout_verdict
 from .api.spec import ServedModelSpec
 from .config import OperatorConfig
 from .k8s import ApiError, Cache, KubeClient, NotFoundError
+from .k8s.reader import Reader
 from .probe import errors
 from .probe.client import (
     PROBE_LOOP_STALLED,
@@ -497,6 +498,11 @@ class ProbeScheduler:
     # Tracked but not yet given a first due time: the loop places only these (it wakes at every
     # cycle's end, and walking every model each time grew with the fleet).
     _unplaced: list[Key] = field(default_factory=list, init=False)
+    # Every read of the cluster (ServedModel, engine Pods, Secrets): the cache where it feeds the kind.
+    reader: Reader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = Reader(self.kube, self.cache)
 
     # ---- feeding -------------------------------------------------------------------------------
 
@@ -724,13 +730,10 @@ class ProbeScheduler:
     # ---- one cycle -----------------------------------------------------------------------------
 
     async def _body(self, model: _Model) -> Obj | None:
-        """The ServedModel as it is now: from the cache when it feeds ServedModels, else the API."""
-        namespace, name = model.key
-        if self.cache is not None and self.cache.tracks(SERVED_MODEL_KIND):
-            return self.cache.get(SERVED_MODEL_KIND, namespace, name)
-        if model.body is not None:
+        """The ServedModel as it is now (the reader's); without a cache, as tracked or last written."""
+        if self.cache is None and model.body is not None:
             return model.body
-        return await self.kube.get(API_GROUP_VERSION, PLURAL, namespace, name)
+        return await self.reader.get(API_GROUP_VERSION, PLURAL, *model.key)
 
     async def run_cycle(self, key: Key) -> CycleResult:
         """One probe cycle of one tracked ServedModel (the loop calls it; tests may too)."""
@@ -839,9 +842,7 @@ class ProbeScheduler:
         return read_override(self.config.endpoint_override)
 
     async def _engine_pods(self, namespace: str, name: str) -> list[Obj]:
-        if self.cache is not None and self.cache.tracks("Pod"):
-            return self.cache.list("Pod", namespace, labels=dict(selector_labels(name)))
-        return await self.kube.list("v1", "pods", namespace, label_selector=selector_string(name))
+        return await self.reader.list("v1", "pods", namespace, selector_labels(name))
 
     async def _plan(self, model: _Model, spec: ServedModelSpec) -> _Plan:
         """Which pods this cycle probes: every pod whose containers are ready (the engine's /health
@@ -1184,7 +1185,7 @@ class ProbeScheduler:
         (servedmodel.access.secret_refusal: the inference.servedmodel.io/allowed-servedmodels annotation);
         a refusal is a ProbeFailure naming the Secret and `field`. No message ever holds the value."""
         try:
-            secret = await self.kube.get("v1", "secrets", namespace, ref.name)
+            secret = await self.reader.get("v1", "secrets", namespace, ref.name)
         except ApiError as exc:
             raise ProbeFailure(
                 errors.SECRET_UNAVAILABLE, f"Secret {ref.name} ({field}): {exc.status} {exc.reason}"

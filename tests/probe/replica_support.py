@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.config import OperatorConfig
-from servedmodel.k8s import NotFoundError
+from servedmodel.k8s import KNOWN_RESOURCES, NotFoundError, Resource
 from servedmodel.k8s.cache import Cache
 from servedmodel.probing import ProbeMetrics, ProbeScheduler
 
@@ -59,6 +59,14 @@ class Cluster:
         self.writes: list[tuple[str, str, dict[str, Any]]] = []
         self.gate_writes: list[tuple[str, dict[str, Any]]] = []
         self.events: list[tuple[str, str, str, str]] = []
+
+    def resource(self, api_version: str, kind_or_plural: str) -> Resource:
+        """As KubeClient's: the registered kind (the Reader asks which kind a plural is)."""
+        return next(
+            r
+            for r in KNOWN_RESOURCES
+            if r.api_version == api_version and kind_or_plural in (r.kind, r.plural)
+        )
 
     def add(self, body: dict[str, Any]) -> dict[str, Any]:
         self.objects[(body["metadata"]["namespace"], body["metadata"]["name"])] = body

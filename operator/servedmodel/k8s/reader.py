@@ -26,10 +26,14 @@ PARTIAL: Final = frozenset({"ConfigMap"})
 
 
 class Reader:
-    def __init__(self, client: KubeClient, cache: Cache) -> None:
+    """`cache` None: everything from the API server (a probe scheduler driven without informers)."""
+
+    def __init__(self, client: KubeClient, cache: Cache | None) -> None:
         self.client, self.cache = client, cache
 
     async def get(self, api_version: str, plural: str, namespace: str, name: str) -> Obj | None:
+        if self.cache is None:
+            return await self.client.get(api_version, plural, namespace, name)
         kind = self.client.resource(api_version, plural).kind
         if self.cache.tracks(kind):
             found = self.cache.get(kind, namespace, name)
@@ -41,8 +45,9 @@ class Reader:
         self, api_version: str, plural: str, namespace: str, labels: Mapping[str, str]
     ) -> list[Obj]:
         """Objects of one namespace carrying every label in `labels`."""
-        kind = self.client.resource(api_version, plural).kind
-        if self.cache.tracks(kind) and kind not in PARTIAL:
-            return self.cache.list(kind, namespace, labels=dict(labels))
+        if self.cache is not None:
+            kind = self.client.resource(api_version, plural).kind
+            if self.cache.tracks(kind) and kind not in PARTIAL:
+                return self.cache.list(kind, namespace, labels=dict(labels))
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         return await self.client.list(api_version, plural, namespace, label_selector=selector)
