@@ -232,6 +232,7 @@ def test_the_leader_killed_mid_rollout_the_standby_rolls_the_same_revision_back(
             "the new revision held by its gate",
             lambda x: x.get("revision") != r0 and x.get("failingReason") == "ChecksFailed",
         )
+        assert proving["state"] == "Proving", proving  # not yet Blocked: the standby is the one to block it
         leader = next(op for op in r.operators if leader_of(op))
         standby = next(op for op in r.operators if op is not leader)
         leader.proc.send_signal(signal.SIGKILL)

@@ -55,11 +55,13 @@ async def probe_on(loop: ProbeLoop, url: str, spec: ProbeSpec) -> ProbeOutcome:
     return await loop.submit(run())
 
 
-def running(sim: SimulatorProcess) -> bool:
+def generated(sim: SimulatorProcess) -> float:
+    """vllm:generation_tokens_total: the tokens the engine has made so far."""
     text = httpx.get(f"{sim.base_url}/metrics", timeout=5).text
-    return any(
-        line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total{")
     )
 
 
@@ -71,15 +73,16 @@ async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_tt
     loop = ProbeLoop()
     loop.start()
     try:
+        before = await asyncio.to_thread(generated, slow_sim)
         task = asyncio.create_task(probe_on(loop, slow_sim.base_url, spec))
-        # the engine has the request: its first token comes within a step or two, decode lasts ~1 s
-        for _ in range(500):
-            if await asyncio.to_thread(running, slow_sim):
+        # Eight of its 40 tokens made: the first went out seven steps (~175 ms) ago, so the probe has read
+        # it, however late the machine ran its thread; decode has ~0.8 s left for the collection to land.
+        for _ in range(2000):
+            if await asyncio.to_thread(generated, slow_sim) - before >= 8:
                 break
             await asyncio.sleep(0.005)
         else:
-            pytest.fail("the probe's request never ran on the simulator")
-        await asyncio.sleep(6 * STEP_MS / 1000)
+            pytest.fail("the probe's request never generated on the simulator")
         t0 = time.monotonic()
         gc.collect()  # on this (the main) thread: the probe's thread waits all the same
         pause_s = time.monotonic() - t0
