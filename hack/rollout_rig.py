@@ -85,3 +85,13 @@ class RevisionMapper(threading.Thread):
     def stop(self) -> None:
         self.halt.set()
         self.join(10)
+
+    def trouble(self) -> str | None:
+        """Why the samples do not show the Service served throughout (None: they do)."""
+        if self.error is not None:
+            return f"the mapper failed: {self.error!r}"
+        if not self.ready_counts:
+            return "the EndpointSlice was never sampled"
+        if min(self.ready_counts) < 1:
+            return f"a sample without a ready endpoint: {self.ready_counts}"
+        return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,14 @@ PODS = ("qwen-7d9f-a", "qwen-7d9f-b", "qwen-7d9f-c")
 def one_each(sims: list[SimulatorProcess]) -> str:
     """The per-pod endpoint override: PODS[i] is sims[i]."""
     return ",".join(f"ns/qwen/{n}={s.base_url}" for n, s in zip(PODS, sims, strict=True))
+
+
+def revision_pod(i: int, revision: str) -> dict[str, Any]:
+    """PODS[i] of `revision` (its label), made at 10:00 for old1 and 11:00 for a later one."""
+    p = pod(PODS[i], f"10.244.0.{i + 10}")
+    created = "2026-12-01T10:00:00Z" if revision == "old1" else "2026-12-01T11:00:00Z"
+    p["metadata"] |= {"labels": {"inference.servedmodel.io/revision": revision}, "creationTimestamp": created}
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +165,7 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
     its gate stays closed (ChecksFailed, naming the check), status.rollout says the revision is Proving
     and which pod fails why, the old pods keep serving. With the right template it opens: Proven."""
     body = served_model()  # the readiness gate is on by default
-    old = [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS[:2])]
-    for p in old:
-        p["metadata"] |= {
-            "labels": {"inference.servedmodel.io/revision": "old1"},
-            "creationTimestamp": "2026-12-01T10:00:00Z",
-        }
-    cluster = Cluster(body, old)
+    cluster = Cluster(body, [revision_pod(i, "old1") for i in range(2)])
 
     async def main() -> None:
         sched = scheduler(cluster, one_each(sims))
@@ -181,12 +184,7 @@ def test_a_new_revision_with_a_broken_template_takes_no_traffic_until_it_passes(
             assert rollout["lastProvenFingerprint"] == chatml
 
             await asyncio.to_thread(set_faults, sims[2], chat_template="llama3")
-            new = pod(PODS[2], "10.244.0.12")
-            new["metadata"] |= {
-                "labels": {"inference.servedmodel.io/revision": "new2"},
-                "creationTimestamp": "2026-12-01T11:00:00Z",
-            }
-            cluster.pods[PODS[2]] = new
+            cluster.pods[PODS[2]] = revision_pod(2, "new2")
             for _ in range(2):  # not once: it stays closed
                 await sched.run_cycle(("ns", "qwen"))
                 assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
@@ -231,13 +229,7 @@ def test_a_slower_new_revision_is_held_by_the_latency_guard(sims: list[Simulator
     its engine steps 10x slower: compared in the same cycle with the old pods, its gate stays closed
     (LatencyRegression, TTFT or TPOT with the ratio). At the old pods' speed it opens."""
     body = served_model()
-    old = [pod(n, f"10.244.0.{i + 10}") for i, n in enumerate(PODS[:2])]
-    for p in old:
-        p["metadata"] |= {
-            "labels": {"inference.servedmodel.io/revision": "old1"},
-            "creationTimestamp": "2026-12-01T10:00:00Z",
-        }
-    cluster = Cluster(body, old)
+    cluster = Cluster(body, [revision_pod(i, "old1") for i in range(2)])
     config = httpx.get(f"{sims[2].base_url}/admin/config", timeout=5).json()
 
     async def main() -> None:
@@ -249,12 +241,7 @@ def test_a_slower_new_revision_is_held_by_the_latency_guard(sims: list[Simulator
             slow = {"step_base_ms": config["step_base_ms"] * 10}
             r = await asyncio.to_thread(httpx.post, f"{sims[2].base_url}/admin/config", json=slow, timeout=5)
             r.raise_for_status()
-            new = pod(PODS[2], "10.244.0.12")
-            new["metadata"] |= {
-                "labels": {"inference.servedmodel.io/revision": "new2"},
-                "creationTimestamp": "2026-12-01T11:00:00Z",
-            }
-            cluster.pods[PODS[2]] = new
+            cluster.pods[PODS[2]] = revision_pod(2, "new2")
             await sched.run_cycle(("ns", "qwen"))
             assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
             rollout = cluster.body["status"]["rollout"]

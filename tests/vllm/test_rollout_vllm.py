@@ -118,7 +118,5 @@ def test_a_template_configmap_edit_without_role_markers_is_held_then_rolled_back
         assert {"RolloutBlocked", "TemplateChanged"} <= reasons, reasons
     finally:
         mapper.stop()
-    assert mapper.error is None, mapper.error
-    assert mapper.ready_counts, "the EndpointSlice was never sampled"
-    assert min(mapper.ready_counts) >= 1, mapper.ready_counts  # the old pods served throughout
+    assert mapper.trouble() is None, mapper.trouble()  # the old pods served throughout
     cp.kubectl("delete", "servedmodel", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")

@@ -602,10 +602,11 @@ async def run_probe(
         if not out.window.reset and done is not None:
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
     if out.ok:
-        await _limits_check(client, base, spec, api_key, out, after_end, deadline)
-        await _learned_stop(client, base, spec, api_key, out, after_end, deadline)
+        after = _FollowUp(client, base, api_key, after_end, deadline)
+        await _limits_check(after, spec, out)
+        await _learned_stop(after, spec, out)
         if fingerprint:
-            await _fingerprint(client, base, spec, api_key, out, after_end, deadline)
+            await _fingerprint(after, spec, out)
         _request_checks(spec, out)
     _redact(out, api_key)
     out.ended = datetime.now(UTC)
@@ -663,25 +664,28 @@ def _redact(out: ProbeOutcome, api_key: str | None) -> None:
     }
 
 
-async def _limits_check(
-    client: httpx.AsyncClient,
-    base: str,
-    spec: ProbeSpec,
-    api_key: str | None,
-    out: ProbeOutcome,
-    until: float,
-    deadline_s: float,
-) -> None:
+@dataclass(frozen=True)
+class _FollowUp:
+    """Where a cycle's follow-up requests (limits, learned stop, fingerprint) go, and by when."""
+
+    client: httpx.AsyncClient
+    base: str
+    api_key: str | None
+    until: float  # the loop time all of them must end by
+    deadline_s: float  # one answer's own deadline
+
+
+async def _limits_check(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome) -> None:
     status: int | None = None
     message, error = "", None
     if spec.check_limits and out.max_model_len is not None and out.max_model_len <= LIMITS_MAX_TOKENS:
         try:
-            async with asyncio.timeout_at(until):
+            async with asyncio.timeout_at(f.until):
                 status, message = await limits_request(
-                    client, base, out.model, out.max_model_len, api_key, deadline_s
+                    f.client, f.base, out.model, out.max_model_len, f.api_key, f.deadline_s
                 )
-        except ProbeFailure as f:
-            error = f.message
+        except ProbeFailure as failure:
+            error = failure.message
         except TimeoutError:
             error = f"no answer within {spec.timeout:g} s"
     if spec.check_limits and out.max_model_len is not None and out.max_model_len > LIMITS_MAX_TOKENS:
@@ -699,15 +703,7 @@ def template_fingerprint(token_ids: Sequence[int]) -> str:
     return f"sha256:{digest[:16]}/{len(token_ids)}"
 
 
-async def _fingerprint(
-    client: httpx.AsyncClient,
-    base: str,
-    spec: ProbeSpec,
-    api_key: str | None,
-    out: ProbeOutcome,
-    until: float,
-    deadline_s: float,
-) -> None:
+async def _fingerprint(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome) -> None:
     """POST /tokenize of the probe's messages as the spec writes them: the same template renders them to
     the same token ids on every pod and every cycle, whatever the nonce of the timed chats. Trouble
     leaves no fingerprint (the template check, on the cycle's own /tokenize, says what is wrong)."""
@@ -718,9 +714,9 @@ async def _fingerprint(
     }
     step = "POST /tokenize (fingerprint)"
     try:
-        async with asyncio.timeout_at(until):
+        async with asyncio.timeout_at(f.until):
             r = await _post(
-                client, f"{base}/tokenize", step, body, bounds.TOKENIZE_MAX_BYTES, deadline_s, api_key
+                f.client, f"{f.base}/tokenize", step, body, bounds.TOKENIZE_MAX_BYTES, f.deadline_s, f.api_key
             )
         ids = bounds.loads(r.body, step)["tokens"] if r.status_code == 200 else None
     except (ProbeFailure, TimeoutError, KeyError, TypeError):
@@ -729,15 +725,7 @@ async def _fingerprint(
         out.template_fingerprint = template_fingerprint(ids)
 
 
-async def _learned_stop(
-    client: httpx.AsyncClient,
-    base: str,
-    spec: ProbeSpec,
-    api_key: str | None,
-    out: ProbeOutcome,
-    until: float,
-    deadline_s: float,
-) -> None:
+async def _learned_stop(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome) -> None:
     """Only when the probe's own stop string did not end the answer (dummy weights, a base model)."""
     t = out.timing
     if not spec.stop or t is None or out.body is None:
@@ -747,10 +735,12 @@ async def _learned_stop(
     if any(s in t.content for s in spec.stop):
         return  # already a failure; nothing more to learn
     try:
-        async with asyncio.timeout_at(until):
-            out.learned_stop = await learned_stop_request(client, base, out.body, t, api_key, deadline_s)
-    except ProbeFailure as f:
-        out.learned_stop = LearnedStop("?", first=t.content, error=f.message)
+        async with asyncio.timeout_at(f.until):
+            out.learned_stop = await learned_stop_request(
+                f.client, f.base, out.body, t, f.api_key, f.deadline_s
+            )
+    except ProbeFailure as failure:
+        out.learned_stop = LearnedStop("?", first=t.content, error=failure.message)
     except TimeoutError:
         out.learned_stop = LearnedStop("?", first=t.content, error=f"no answer within {spec.timeout:g} s")
 
