@@ -890,15 +890,14 @@ class ProbeScheduler:
         With the gate on, the first pod of a revision status.rollout has no template fingerprint of
         also takes one."""
         namespace, name = model.key
-        fingerprinted = set(known_fingerprints(rollout)) if spec.probe.readiness_gate else None
-        fingerprint: list[bool] = []
-        for t in targets:
-            revision = pod_revision(t.pod)
-            fingerprint.append(
-                fingerprinted is not None and revision is not None and revision not in fingerprinted
-            )
-            if fingerprinted is not None and revision is not None:
-                fingerprinted.add(revision)
+        fingerprint = [False] * len(targets)
+        if spec.probe.readiness_gate:
+            seen = set(known_fingerprints(rollout))
+            for i, t in enumerate(targets):
+                revision = pod_revision(t.pod)
+                if revision is not None and revision not in seen:
+                    fingerprint[i] = True
+                    seen.add(revision)
         served = spec.resolved_served_model_name
         async with self._client(spec.probe) as http:
             try:
