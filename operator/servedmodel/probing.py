@@ -18,15 +18,17 @@ sharding, where `owns` picks this replica's share). One task for all models, not
   (servedmodel_event_loop_lag_seconds).
 - Backoff: a model whose cycles fail is probed less often (probe/schedule.next_delay, capped at four
   intervals); its backoff is its own and delays no other model.
-- One status write per cycle at most (server-side apply of status.probe and the probe's conditions with
-  the probe's field manager), none when nothing changed (probing off, engine not ready, the same
-  outcome as already written), and none after the object got a deletionTimestamp or went away.
+- One status write per probed cycle (server-side apply of what probe/compose.compose composed:
+  status.probe, status.rollout and the probe's conditions, with the probe's field manager), after the
+  pods' readiness-gate writes it also composed. lastProbeTime moves every cycle, so every probed cycle
+  writes; a cycle that probes nothing (probing off, no engine ready, a repeat of NoReadyEndpoints)
+  writes nothing, and none is written after the object got a deletionTimestamp or went away.
 - When a write changes the Serving condition, the ServedModel is enqueued in the controller's work queue
   so the reconciler's phase and Degraded follow at once (the probe never writes the phase).
 - `stop()` cancels every in-flight cycle and waits for it: nothing is left running or half-written.
 
-Reads (the ServedModel, its pods) come from the watch-fed cache when one is given and feeds that kind,
-else from the API server; Secrets (the engine's API key, a Prometheus token) always from the API server.
+Reads go through k8s/reader.Reader: the ServedModel and its pods from the watch-fed cache when one is
+given, Secrets (the engine's API key, a Prometheus token) from the API server (no informer feeds them).
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ from .probe.client import (
     http_timeout,
     run_probe,
 )
+from .probe.compose import (
+    Composed,
+    Cycle,
+    Pods,
+    compose,
+    keep_rollout,
+    previous_probe_status,
+    previous_rollout,
+)
 from .probe.endpoints import (
     ProbeTarget,
     parse_override,
@@ -84,20 +95,12 @@ from .probe.replicas import (
     PodResult,
     Window,
     aggregate,
-    gate_condition,
     known_fingerprints,
     kv_pressure_verdict,
-    latency_regression,
-    merge_pods,
     pod_revision,
-    replica_conditions,
-    rollout_condition,
-    rollout_status,
     stall_verdict,
-    summarize,
-    template_change,
 )
-from .probe.report import build_status, parse_rfc3339, probe_conditions, publishable_figures
+from .probe.report import parse_rfc3339, publishable_figures
 from .probe.schedule import JITTER, NOT_READY_WAIT_S, next_delay
 
 log = logging.getLogger(__name__)
@@ -344,43 +347,6 @@ def containers_ready(pod: Mapping[str, Any]) -> bool:
         return False
     ready = find_condition(status.get("conditions"), "ContainersReady")
     return ready is not None and ready.get("status") == "True"
-
-
-def previous_probe_status(
-    body_status: Mapping[str, Any], last_written: ProbeStatus | None
-) -> ProbeStatus | None:
-    """The status.probe to continue from: the object's, or what this scheduler wrote last when the watch
-    has not delivered that write yet (the newer lastProbeTime wins)."""
-    previous = None
-    if isinstance(body_status.get("probe"), dict):
-        try:
-            previous = ProbeStatus.model_validate(body_status["probe"])
-        except ValidationError:
-            previous = None  # an older schema: start the window afresh
-    if last_written is not None and (
-        previous is None or (previous.last_probe_time or "") < (last_written.last_probe_time or "")
-    ):
-        previous = last_written
-    return previous
-
-
-def status_patch(
-    out: ProbeOutcome,
-    probe: ProbeSpec,
-    body_status: Mapping[str, Any],
-    generation: int | None,
-    last_written: ProbeStatus | None = None,
-) -> tuple[ProbeStatus, dict[str, Any]]:
-    """The probe's whole share of status: status.probe and its conditions (SSA removes what we omit)."""
-    previous = previous_probe_status(body_status, last_written)
-    new = build_status(out, probe, previous)
-    conds = probe_conditions(
-        new, probe, body_status.get("conditions") or [], generation, out.ended or datetime.now(UTC)
-    )
-    return new, {
-        "probe": new.model_dump(by_alias=True, exclude_none=True),
-        "conditions": [c.model_dump(by_alias=True, exclude_none=True) for c in conds],
-    }
 
 
 def serving_of(conditions: Any) -> tuple[str, str] | None:
@@ -767,7 +733,8 @@ class ProbeScheduler:
             plan = await self._plan(model, spec)
             previous = previous_probe_status(status, model.last_status)
             if plan.targets:
-                probed = await self._probe_pods(model, spec, plan.targets, _previous_rollout(model, status))
+                rollout = previous_rollout(status, model.last_patch)
+                probed = await self._probe_pods(model, spec, plan.targets, rollout)
                 out = aggregate(probed)
             elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
                 # It served before and now no pod can be probed: say so once, then wait quietly.
@@ -778,9 +745,15 @@ class ProbeScheduler:
                 return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
         model.cycles += 1
         self.metrics.record(namespace, name, out)
-        new, patch = status_patch(out, probe, status, generation, model.last_status)
+        pods = None
         if plan is not None:
-            new, patch = self._replica_patch(new, patch, probed, plan, status, generation)
+            pods = Pods(
+                probed, plan.eligible, plan.replicas, plan.pods, self._rolled_back_from(namespace, name)
+            )
+        composed = compose(
+            Cycle(out, spec, status, generation, datetime.now(UTC), model.last_status, model.last_patch, pods)
+        )
+        new, patch = composed.status, composed.patch
         log.info(
             "probe %s/%s %s: %s",
             namespace,
@@ -797,10 +770,8 @@ class ProbeScheduler:
             next_delay_s=next_delay(probe.interval, new.consecutive_failures, self.rng),
         )
         result.pods = probed
-        if probed:
-            await self._after_pods(model, body, spec, probed, plan, status, new, patch)
-        if "rollout" not in patch and plan is not None:
-            _keep_rollout(status, patch)  # kept as it was: server-side apply drops what we omit
+        if probed and plan is not None:
+            await self._after_pods(model, body, probed, plan, status, composed)
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
@@ -955,56 +926,23 @@ class ProbeScheduler:
             self.metrics.pod_probes.labels(namespace, model.key[1], r.reason).inc()
         return results
 
-    def _replica_patch(
-        self,
-        new: ProbeStatus,
-        patch: dict[str, Any],
-        probed: list[PodResult],
-        plan: _Plan,
-        status: Mapping[str, Any],
-        generation: int | None,
-    ) -> tuple[ProbeStatus, dict[str, Any]]:
-        """The managed cycle's status: pods[], "k/n", Serving naming the failing pods, the stall and KV
-        pressure conditions."""
-        previous = previous_probe_status(status, None)
-        old_pods = list(previous.pods or []) if previous is not None else []
-        pods = merge_pods(old_pods, probed, plan.eligible)
-        new = summarize(new, pods, plan.replicas)
-        conditions = list(patch["conditions"])
-        for c in conditions:
-            if c.get("type") == "Serving":
-                c["reason"] = "ChatCompletionSucceeded" if new.reason == errors.SERVING else new.reason
-                c["message"] = (new.message or "")[:1000]
-        existing = status.get("conditions") or []
-        now = datetime.now(UTC)
-        conditions += [
-            c.model_dump(by_alias=True, exclude_none=True)
-            for c in replica_conditions(probed, existing, generation, now)
-        ]
-        return new, {"probe": new.model_dump(by_alias=True, exclude_none=True), "conditions": conditions}
-
     async def _after_pods(
         self,
         model: _Model,
         body: Obj,
-        spec: ServedModelSpec,
         probed: list[PodResult],
-        plan: _Plan | None,
+        plan: _Plan,
         status: Mapping[str, Any],
-        new: ProbeStatus,
-        patch: dict[str, Any],
+        composed: Composed,
     ) -> None:
-        """Readiness-gate writes (pods/status, with the spec's thresholds over the counts in `new`'s
-        pods), and Events for every pod whose Serving changed and for EngineStalled / KVCachePressure /
-        ProbeUnreliable turning True."""
+        """The composed readiness-gate writes (pods/status), and Events: for every pod whose Serving
+        changed, for EngineStalled / KVCachePressure / RolloutBlocked / ProbeUnreliable turning True, and
+        TemplateChanged."""
         namespace, name = model.key
-        if model.removed or plan is None:
+        if model.removed:
             return
         previous = previous_probe_status(status, model.last_status)
         before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
-        entries = {p.name: p for p in new.pods or []}
-        now = datetime.now(UTC)
-        held = self._latency_held(spec, probed, plan, _previous_rollout(model, status))
         for r in probed:
             pod = plan.pods.get(r.name)
             if pod is None:
@@ -1020,41 +958,21 @@ class ProbeScheduler:
                     if not r.serving
                     else f"{name}: a real chat completion succeeded",
                 )
-            entry = entries.get(r.name)
-            if spec.probe.readiness_gate and entry is not None:
-                cond = gate_condition(
-                    r,
-                    entry,
-                    pod,
-                    now,
-                    failure_threshold=spec.probe.failure_threshold,
-                    success_threshold=spec.probe.success_threshold,
-                    held=held.get(r.name),
+        for pod_name, cond in composed.gates.items():
+            try:
+                written_pod = await self.kube.apply_status(
+                    "v1", "pods", namespace, pod_name, {"conditions": [cond]}, self.config.probe_field_manager
                 )
-                if cond is not None:
-                    try:
-                        written_pod = await self.kube.apply_status(
-                            "v1",
-                            "pods",
-                            namespace,
-                            r.name,
-                            {"conditions": [cond]},
-                            self.config.probe_field_manager,
-                        )
-                        plan.pods[r.name] = self._write_through("Pod", written_pod)
-                        self.metrics.gate_writes.labels(namespace, name, cond["status"]).inc()
-                    except ApiError as exc:
-                        log.warning(
-                            "readiness gate of pod %s/%s: %s %s", namespace, r.name, exc.status, exc.reason
-                        )
-        if spec.probe.readiness_gate:
-            changed = self._rollout(model, body, spec, plan, probed, status, patch, now)
-            if changed is not None:
-                await self._event(body, "Normal", TEMPLATE_CHANGED, changed)
+                plan.pods[pod_name] = self._write_through("Pod", written_pod)
+                self.metrics.gate_writes.labels(namespace, name, cond["status"]).inc()
+            except ApiError as exc:
+                log.warning("readiness gate of pod %s/%s: %s %s", namespace, pod_name, exc.status, exc.reason)
+        if composed.template_changed is not None:
+            await self._event(body, "Normal", TEMPLATE_CHANGED, composed.template_changed)
         old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
         if model.last_patch is not None:
             old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
-        for c in patch["conditions"]:
+        for c in composed.patch["conditions"]:
             was = (old_conds.get(c["type"]) or {}).get("status")
             # a stall of the probe's own loop alone is the machine's noise: in status, not an Event
             warned = c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE, ROLLOUT_BLOCKED) or (
@@ -1065,64 +983,12 @@ class ProbeScheduler:
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
 
-    def _latency_held(
-        self, spec: ServedModelSpec, probed: list[PodResult], plan: _Plan, rollout: RolloutStatus | None
-    ) -> dict[str, str]:
-        """Pod name -> why its closed gate stays closed: a pod of a revision other than the last proven
-        one, slower than that revision's serving pods probed in this cycle (latency_regression)."""
-        proven = rollout.last_proven_revision if rollout is not None else None
-        if proven is None:
-            return {}
-        revision = {r.name: pod_revision(plan.pods.get(r.name)) for r in probed}
-        baseline = [r for r in probed if r.serving and revision[r.name] == proven]
-        held: dict[str, str] = {}
-        for r in probed:
-            if r.serving and revision[r.name] not in (None, proven):
-                why = latency_regression(r, baseline, spec.rollout.max_latency_regression)
-                if why is not None:
-                    held[r.name] = why
-        return held
-
-    def _rollout(
-        self,
-        model: _Model,
-        body: Obj,
-        spec: ServedModelSpec,
-        plan: _Plan,
-        probed: list[PodResult],
-        status: Mapping[str, Any],
-        patch: dict[str, Any],
-        now: datetime,
-    ) -> str | None:
-        """status.rollout and RolloutBlocked into `patch`, from the pods after this cycle's gate writes;
-        the TemplateChanged Event's message when this cycle's fingerprint says the template changed."""
-        previous = _previous_rollout(model, status)
-        namespace, name = model.key
+    def _rolled_back_from(self, namespace: str, name: str) -> str | None:
+        """The engine Deployment's rolled-back-from annotation (reconcile.rollback writes it)."""
         deployment = self.cache.get("Deployment", namespace, deployment_name(name)) if self.cache else None
         annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
-        fingerprints = {
-            revision: r.outcome.template_fingerprint
-            for r in probed
-            if r.outcome.template_fingerprint and (revision := pod_revision(plan.pods.get(r.name)))
-        }
-        rollout = rollout_status(
-            plan.pods,
-            previous,
-            now,
-            spec.rollout.progress_deadline_seconds,
-            annotations.get(ROLLED_BACK_FROM_ANNOTATION),
-            fingerprints,
-        )
-        if rollout is None:
-            return None
-        patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
-        generation = (body.get("metadata") or {}).get("generation")
-        cond = rollout_condition(rollout, status.get("conditions") or [], generation, now)
-        patch["conditions"] = [
-            *(c for c in patch["conditions"] if c.get("type") != ROLLOUT_BLOCKED),
-            cond.model_dump(by_alias=True, exclude_none=True),
-        ]
-        return template_change(previous, rollout)
+        value = annotations.get(ROLLED_BACK_FROM_ANNOTATION)
+        return str(value) if value else None
 
     def _write_through(self, kind: str, obj: Obj) -> Obj:
         """Our write's answer into the cache, so the next cycle does not act on a copy older than what
@@ -1159,7 +1025,7 @@ class ProbeScheduler:
         }
         if isinstance(status.get("probe"), dict):
             patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
-        _keep_rollout(status, patch)
+        keep_rollout(status, patch)
         try:
             written = await self.kube.apply_status(
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
@@ -1289,23 +1155,6 @@ class ProbeScheduler:
             )
             [out] = self._redacted(namespace, name, out)
             return out
-
-
-def _previous_rollout(model: _Model, status: Mapping[str, Any]) -> RolloutStatus | None:
-    """status.rollout as this operator last wrote it (newer than the cache's copy may be), else as read."""
-    previous = status.get("rollout")
-    if model.last_patch is not None and isinstance(model.last_patch.get("rollout"), dict):
-        previous = model.last_patch["rollout"]
-    return RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None
-
-
-def _keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
-    """status.rollout and RolloutBlocked as they are, into a write that does not compute them."""
-    if isinstance(status.get("rollout"), dict):
-        patch["rollout"] = status["rollout"]
-    kept = find_condition(status.get("conditions"), ROLLOUT_BLOCKED)
-    if kept is not None and find_condition(patch.get("conditions"), ROLLOUT_BLOCKED) is None:
-        patch["conditions"] = [*patch.get("conditions", []), dict(kept)]
 
 
 class _Shared(httpx.AsyncBaseTransport):

@@ -18,8 +18,9 @@ from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.status import ServedModelStatus
 from servedmodel.k8s.cache import Cache
 from servedmodel.probe.client import ProbeOutcome
+from servedmodel.probe.compose import status_patch
 from servedmodel.probe.errors import ENGINE_UNHEALTHY, ProbeFailure
-from servedmodel.probing import ProbeScheduler, first_due, status_patch
+from servedmodel.probing import ProbeScheduler, first_due
 from servedmodel.sim.process import SimulatorProcess
 
 MANAGED = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "resources": {"gpus": 1}}

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from servedmodel.api import ServedModel
-from servedmodel.api.conditions import ENGINE_STALLED, REPLICAS_FAILING
+from servedmodel.api.conditions import ENGINE_STALLED, PROBE_CONDITIONS, REPLICAS_FAILING
+from servedmodel.api.names import REVISION_LABEL
 from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeCheck, ProbeSpec
-from servedmodel.probe import replicas
+from servedmodel.probe import compose, replicas
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url
 from servedmodel.probe.errors import (
@@ -583,3 +584,46 @@ def test_a_probe_prompt_the_engine_cannot_take_holds_a_closed_gate_and_leaves_an
         cond, entry = gate(bad, p, entry, failure_threshold=3)
         assert cond is None
     assert entry.consecutive_failures == 5
+
+
+def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided() -> None:
+    """One managed cycle through probe/compose: Serving True ReplicasFailing naming the failing pod (no
+    second author rewrites it), every probe condition present (server-side apply would delete one left
+    out), the failing pod's gate closed and the serving ones opened, status.rollout from the pods as
+    those gates leave them, and a cycle without gate or revisions keeping status.rollout as it was."""
+    probed = results()
+    by_name = {}
+    for r in probed:
+        p = pod(r.name)
+        p["metadata"] |= {"labels": {REVISION_LABEL: "a1"}, "creationTimestamp": "2026-12-01T09:00:00Z"}
+        by_name[r.name] = p
+    spec = ServedModel.model_validate(
+        {"metadata": {"name": "q", "namespace": "ns"}, "spec": {"model": "Qwen/Qwen2.5-7B-Instruct"}}
+    ).spec
+    out = replicas.aggregate(probed)
+    pods = compose.Pods(probed, [r.name for r in probed], 3, by_name)
+    done = compose.compose(compose.Cycle(out, spec, {}, 2, T0, pods=pods))
+    types = [c["type"] for c in done.patch["conditions"]]
+    assert sorted(types) == sorted(set(PROBE_CONDITIONS) - {"LatencySLOMet"})  # no SLO in the spec
+    serving = next(c for c in done.patch["conditions"] if c["type"] == "Serving")
+    assert (serving["status"], serving["reason"]) == ("True", REPLICAS_FAILING)
+    assert "pod q-c: StreamCut" in serving["message"]
+    assert {n: g["status"] for n, g in done.gates.items()} == {"q-a": "True", "q-b": "True", "q-c": "False"}
+    rollout = done.patch["rollout"]
+    assert (rollout["revision"], rollout["state"], rollout["passed"], rollout["total"]) == (
+        "a1",
+        "Proving",
+        2,
+        3,
+    )
+    assert rollout["failingPod"] == "q-c"
+    # the gate off: nothing decided, status.rollout and RolloutBlocked kept as they were
+    off = spec.model_copy(update={"probe": spec.probe.model_copy(update={"readiness_gate": False})})
+    kept = {
+        "rollout": rollout,
+        "conditions": [c for c in done.patch["conditions"] if c["type"] == "RolloutBlocked"],
+    }
+    again = compose.compose(compose.Cycle(out, off, kept, 2, T0, pods=pods))
+    assert again.gates == {}
+    assert again.patch["rollout"] == rollout
+    assert "RolloutBlocked" in [c["type"] for c in again.patch["conditions"]]

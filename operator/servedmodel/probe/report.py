@@ -339,7 +339,9 @@ def probe_conditions(
     condition's status changes; TemplateOK keeps its last verdict while probes fail."""
     wanted: list[tuple[str, ConditionStatus, str, str]] = []
     if status.result == "Success":
-        wanted.append((SERVING, "True", "ChatCompletionSucceeded", status.message or ""))
+        # Serving with a reason of its own (ReplicasFailing: some replicas fail) keeps it.
+        reason = status.reason if status.reason not in (None, errors.SERVING) else "ChatCompletionSucceeded"
+        wanted.append((SERVING, "True", reason, status.message or ""))
     else:
         wanted.append((SERVING, "False", status.reason or "ProbeFailed", status.message or ""))
     template = status.checks.template if status.checks else None

@@ -1,0 +1,243 @@
+"""Pure: the probe's whole share of a ServedModel's status after one cycle, composed in one place.
+
+One call (`compose`) turns what a cycle found into everything the probe writes:
+
+- status.probe (report.build_status over the window; with pods, replicas.summarize's "k/n");
+- its conditions: Serving, TemplateOK, LatencySLOMet (report.probe_conditions), and with pods
+  EngineStalled, KVCachePressure, ProbeUnreliable (replicas.replica_conditions);
+- with the readiness gate, each probed pod's gate condition (replicas.gate_condition, the latency guard's
+  hold included), then status.rollout and RolloutBlocked from the pods as those gates leave them, and the
+  TemplateChanged message when this cycle's fingerprint says the template changed.
+
+Server-side apply deletes what a writer leaves out, so every field the probe owns is in every patch: a
+cycle that does not compute status.rollout (no revision on the pods, the gate off) keeps it as it was.
+The scheduler (probing.py) does the I/O: it writes the gates, the patch and the Events this returns.
+The at-zero set (nothing probed: the autoscaler scaled the engine to zero) is scaling.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from servedmodel.api.base import Obj
+from servedmodel.api.conditions import ROLLOUT_BLOCKED
+from servedmodel.api.conditions import find as find_condition
+from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec, ProbeStatus, RolloutStatus
+from servedmodel.api.spec import ServedModelSpec
+
+from .client import ProbeOutcome
+from .replicas import (
+    PodResult,
+    gate_condition,
+    latency_regression,
+    merge_pods,
+    pod_revision,
+    replica_conditions,
+    rollout_condition,
+    rollout_status,
+    summarize,
+    template_change,
+)
+from .report import build_status, probe_conditions
+
+
+@dataclass(frozen=True)
+class Pods:
+    """A managed cycle's pods: the ones probed, the ones that could be, how many exist, all by name."""
+
+    probed: Sequence[PodResult]
+    eligible: Sequence[str]
+    replicas: int
+    by_name: Mapping[str, Obj]
+    rolled_back_from: str | None = None  # the engine Deployment's rolled-back-from annotation
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """What one cycle found, and what it continues from."""
+
+    outcome: ProbeOutcome
+    spec: ServedModelSpec
+    status: Mapping[str, Any]  # the ServedModel's status as read
+    generation: int | None
+    now: datetime
+    last_status: ProbeStatus | None = None  # status.probe as this scheduler last wrote it
+    last_patch: Mapping[str, Any] | None = None  # this scheduler's last patch
+    pods: Pods | None = None  # None: external mode (one endpoint, no pods)
+
+
+@dataclass
+class Composed:
+    status: ProbeStatus
+    patch: dict[str, Any]  # status.probe, conditions (and status.rollout): one server-side apply
+    gates: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> its gate condition to write
+    template_changed: str | None = None  # the TemplateChanged Event's message
+
+
+def previous_probe_status(
+    body_status: Mapping[str, Any], last_written: ProbeStatus | None
+) -> ProbeStatus | None:
+    """The status.probe to continue from: the object's, or what this scheduler wrote last when the watch
+    has not delivered that write yet (the newer lastProbeTime wins)."""
+    previous = None
+    if isinstance(body_status.get("probe"), dict):
+        try:
+            previous = ProbeStatus.model_validate(body_status["probe"])
+        except ValidationError:
+            previous = None  # an older schema: start the window afresh
+    if last_written is not None and (
+        previous is None or (previous.last_probe_time or "") < (last_written.last_probe_time or "")
+    ):
+        previous = last_written
+    return previous
+
+
+def previous_rollout(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None) -> RolloutStatus | None:
+    """status.rollout as this scheduler last wrote it (newer than the cache's copy may be), else as read."""
+    previous = status.get("rollout")
+    if last_patch is not None and isinstance(last_patch.get("rollout"), dict):
+        previous = last_patch["rollout"]
+    return RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None
+
+
+def status_patch(
+    out: ProbeOutcome,
+    probe: ProbeSpec,
+    body_status: Mapping[str, Any],
+    generation: int | None,
+    last_written: ProbeStatus | None = None,
+    now: datetime | None = None,
+) -> tuple[ProbeStatus, dict[str, Any]]:
+    """External mode's share of the status: status.probe and its conditions."""
+    previous = previous_probe_status(body_status, last_written)
+    new = build_status(out, probe, previous)
+    return new, _patch(new, probe, body_status, generation, now or out.ended or out.started)
+
+
+def compose(c: Cycle) -> Composed:
+    """Everything the probe writes after this cycle (see the module docstring)."""
+    if c.pods is None:
+        new, patch = status_patch(c.outcome, c.spec.probe, c.status, c.generation, c.last_status, c.now)
+        return Composed(new, patch)
+    previous = previous_probe_status(c.status, c.last_status)
+    old_pods = list(previous.pods or []) if previous is not None else []
+    pods = merge_pods(old_pods, list(c.pods.probed), list(c.pods.eligible))
+    new = summarize(build_status(c.outcome, c.spec.probe, previous), pods, c.pods.replicas)
+    patch = _patch(new, c.spec.probe, c.status, c.generation, c.now)
+    patch["conditions"] += [
+        cond.model_dump(by_alias=True, exclude_none=True)
+        for cond in replica_conditions(c.pods.probed, c.status.get("conditions") or [], c.generation, c.now)
+    ]
+    composed = Composed(new, patch)
+    if c.spec.probe.readiness_gate and c.pods.probed:
+        rollout = previous_rollout(c.status, c.last_patch)
+        composed.gates = _gates(c, new, rollout)
+        _rollout(c, composed, rollout)
+    if "rollout" not in patch:
+        keep_rollout(c.status, patch)
+    return composed
+
+
+def keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
+    """status.rollout and RolloutBlocked as they are, into a write that does not compute them."""
+    if isinstance(status.get("rollout"), dict):
+        patch["rollout"] = status["rollout"]
+    kept = find_condition(status.get("conditions"), ROLLOUT_BLOCKED)
+    if kept is not None and find_condition(patch.get("conditions"), ROLLOUT_BLOCKED) is None:
+        patch["conditions"] = [*patch.get("conditions", []), dict(kept)]
+
+
+def _patch(
+    new: ProbeStatus, probe: ProbeSpec, body_status: Mapping[str, Any], generation: int | None, now: datetime
+) -> dict[str, Any]:
+    conds = probe_conditions(new, probe, body_status.get("conditions") or [], generation, now)
+    return {
+        "probe": new.model_dump(by_alias=True, exclude_none=True),
+        "conditions": [cond.model_dump(by_alias=True, exclude_none=True) for cond in conds],
+    }
+
+
+def _gates(c: Cycle, new: ProbeStatus, rollout: RolloutStatus | None) -> dict[str, dict[str, Any]]:
+    """Each probed pod's gate condition to write (none where what it has is right), with the spec's
+    thresholds over the counts in `new`'s pods and the latency guard's holds."""
+    assert c.pods is not None
+    entries = {p.name: p for p in new.pods or []}
+    held = _latency_held(c, rollout)
+    gates: dict[str, dict[str, Any]] = {}
+    for r in c.pods.probed:
+        pod, entry = c.pods.by_name.get(r.name), entries.get(r.name)
+        if pod is None or entry is None:
+            continue
+        cond = gate_condition(
+            r,
+            entry,
+            pod,
+            c.now,
+            failure_threshold=c.spec.probe.failure_threshold,
+            success_threshold=c.spec.probe.success_threshold,
+            held=held.get(r.name),
+        )
+        if cond is not None:
+            gates[r.name] = cond
+    return gates
+
+
+def _latency_held(c: Cycle, rollout: RolloutStatus | None) -> dict[str, str]:
+    """Pod name -> why its closed gate stays closed: a pod of a revision other than the last proven one,
+    slower than that revision's serving pods probed in this cycle (replicas.latency_regression)."""
+    assert c.pods is not None
+    proven = rollout.last_proven_revision if rollout is not None else None
+    if proven is None:
+        return {}
+    revision = {r.name: pod_revision(c.pods.by_name.get(r.name)) for r in c.pods.probed}
+    baseline = [r for r in c.pods.probed if r.serving and revision[r.name] == proven]
+    held: dict[str, str] = {}
+    for r in c.pods.probed:
+        if r.serving and revision[r.name] not in (None, proven):
+            why = latency_regression(r, baseline, c.spec.rollout.max_latency_regression)
+            if why is not None:
+                held[r.name] = why
+    return held
+
+
+def with_gate(pod: Obj, cond: Mapping[str, Any]) -> Obj:
+    """The pod as it is once its gate condition is written (a copy; the pod itself is not touched)."""
+    status = dict(pod.get("status") or {})
+    others = [x for x in status.get("conditions") or [] if x.get("type") != READINESS_GATE_CONDITION]
+    return {**pod, "status": {**status, "conditions": [*others, dict(cond)]}}
+
+
+def _rollout(c: Cycle, composed: Composed, previous: RolloutStatus | None) -> None:
+    """status.rollout and RolloutBlocked into the patch, from the pods as this cycle's gates leave them."""
+    assert c.pods is not None
+    pods = {
+        n: with_gate(p, composed.gates[n]) if n in composed.gates else p for n, p in c.pods.by_name.items()
+    }
+    fingerprints = {
+        revision: r.outcome.template_fingerprint
+        for r in c.pods.probed
+        if r.outcome.template_fingerprint and (revision := pod_revision(c.pods.by_name.get(r.name)))
+    }
+    rollout = rollout_status(
+        pods,
+        previous,
+        c.now,
+        c.spec.rollout.progress_deadline_seconds,
+        c.pods.rolled_back_from,
+        fingerprints,
+    )
+    if rollout is None:
+        return
+    patch = composed.patch
+    patch["rollout"] = rollout.model_dump(by_alias=True, exclude_none=True)
+    cond = rollout_condition(rollout, c.status.get("conditions") or [], c.generation, c.now)
+    patch["conditions"] = [
+        *(x for x in patch["conditions"] if x.get("type") != ROLLOUT_BLOCKED),
+        cond.model_dump(by_alias=True, exclude_none=True),
+    ]
+    composed.template_changed = template_change(previous, rollout)
