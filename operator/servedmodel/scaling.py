@@ -125,7 +125,7 @@ def autoscaling_status(
             else f"HorizontalPodAutoscaler {hpa_name} not found"
         )
     elif (telling := _telling_condition(hpa)) is not None:
-        out["reason"], out["message"] = telling[0], telling[1][:1000]
+        out["reason"], out["message"] = telling[0], conditions.clip(telling[1])
     if autoscaler != "KEDA" and auto.scale_to_zero and out.get("reason") != SCALED_TO_ZERO:
         note = "autoscaling.scaleToZero needs KEDA (keda.sh not found): the HPA keeps at least minReplicas"
         out["message"] = f"{out['message']}; {note}" if out.get("message") else note

@@ -101,3 +101,13 @@ def test_both_writers_write_the_same_shape() -> None:
     by_type = {c["type"]: c for c in theirs}
     assert by_type["Serving"]["lastTransitionTime"] == T0  # still True: kept
     assert by_type["TemplateOK"]["lastTransitionTime"] == T1  # new: the probe's now, same format
+
+
+def test_every_message_is_clipped_in_one_place() -> None:
+    """An engine's 64 KiB error body becomes a condition a person can read: transition clips it, and
+    status.probe's messages use the same clip (no writer cuts messages its own way)."""
+    long = "x" * 65536
+    cond = conditions.transition([], "Serving", "False", "EngineError", long, generation=1, now=T0)
+    assert len(cond["message"]) == conditions.MESSAGE_MAX
+    assert conditions.clip(long) == cond["message"]
+    assert conditions.clip("short") == "short"

@@ -2,7 +2,9 @@
 
 One lookup (`find`) for any condition list — a Pod's, a Deployment's, a ServedModel's — and one way to
 (re)state a condition (`transition`): lastTransitionTime moves only when the status changes, and every
-condition says which metadata.generation it was computed from.
+condition says which metadata.generation it was computed from. Every message is clipped in one place
+(`clip`, MESSAGE_MAX): a condition or status message stays readable in `kubectl describe`, whatever an
+engine answered.
 
 Who writes which condition (server-side apply, `status.conditions` is a list-map keyed by type, so each
 field manager owns its own entries; see docs/architecture-reconcile.md):
@@ -25,6 +27,7 @@ __all__ = [
     "INVALID_SPEC",
     "KV_CACHE_PRESSURE",
     "LATENCY_SLO_MET",
+    "MESSAGE_MAX",
     "PROBE_CONDITIONS",
     "PROBE_UNRELIABLE",
     "PROGRESSING",
@@ -36,6 +39,7 @@ __all__ = [
     "SERVING",
     "TEMPLATE_OK",
     "ConditionStatus",
+    "clip",
     "find",
     "transition",
 ]
@@ -84,6 +88,15 @@ def find(conditions: object, type_: str) -> Mapping[str, Any] | None:
     return None
 
 
+# metav1.Condition allows 32 KiB; a message is for a person reading `kubectl describe`, not a log.
+MESSAGE_MAX: Final = 1000
+
+
+def clip(message: str, limit: int = MESSAGE_MAX) -> str:
+    """`message` cut to `limit` characters (a condition's, status.probe's)."""
+    return message[:limit]
+
+
 def transition(
     previous: object,
     type_: str,
@@ -93,16 +106,17 @@ def transition(
     *,
     generation: int | None,
     now: str,
+    limit: int = MESSAGE_MAX,
 ) -> dict[str, Any]:
     """The condition `type_` as it should be now (camelCase, ready for server-side apply).
 
     `previous` is the current condition list; when the condition there has the same status, its
     lastTransitionTime is kept, else it becomes `now` (RFC 3339, seconds: metav1.Time). A status
-    that only changes its reason or message is not a transition.
+    that only changes its reason or message is not a transition. The message is clipped to `limit`.
     """
     old = find(previous, type_)
     kept = old.get("lastTransitionTime") if old is not None and old.get("status") == status else None
-    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message}
+    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": clip(message, limit)}
     if generation is not None:
         out["observedGeneration"] = generation
     out["lastTransitionTime"] = str(kept) if kept else now

@@ -48,6 +48,7 @@ from servedmodel.api.conditions import (
     REPLICAS_FAILING,
     ROLLOUT_BLOCKED,
     ConditionStatus,
+    clip,
     find,
     transition,
 )
@@ -312,9 +313,9 @@ def summarize(status: ProbeStatus, pods: Sequence[PodProbe], replicas: int) -> P
     head = f"{serving}/{total} replicas serving"
     if serving:
         return status.model_copy(
-            update={"reason": REPLICAS_FAILING, "message": f"{head}; {detail}; {status.message or ''}"[:1000]}
+            update={"reason": REPLICAS_FAILING, "message": clip(f"{head}; {detail}; {status.message or ''}")}
         )
-    return status.model_copy(update={"message": f"{head}; {detail}"[:1000]})
+    return status.model_copy(update={"message": clip(f"{head}; {detail}")})
 
 
 def _condition(
@@ -328,7 +329,7 @@ def _condition(
 ) -> Condition:
     stamp = rfc3339(now, "seconds")
     return Condition.model_validate(
-        transition(list(existing), ctype, cstatus, reason, message[:1000], generation=generation, now=stamp)
+        transition(list(existing), ctype, cstatus, reason, message, generation=generation, now=stamp)
     )
 
 
@@ -466,7 +467,7 @@ def gate_condition(
         READINESS_GATE_CONDITION,
         status,
         reason,
-        (message or reason)[:500],
+        message or reason,
         generation=None,
         now=stamp,
     )

@@ -16,6 +16,7 @@ from servedmodel.api.conditions import (
     SERVING,
     TEMPLATE_OK,
     ConditionStatus,
+    clip,
     find,
     transition,
 )
@@ -247,7 +248,7 @@ def _message(out: ProbeOutcome, server: ServerLatency | None, checks: ProbeCheck
     ]
     if failed:
         parts.append("checks failed: " + ", ".join(failed))
-    return "; ".join(parts)[:1000]
+    return clip("; ".join(parts))
 
 
 def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | None) -> ProbeStatus:
@@ -359,9 +360,7 @@ def probe_conditions(
     stamp = rfc3339(now, "seconds")  # metav1.Condition's format, as the reconciler writes it
     return [
         Condition.model_validate(
-            transition(
-                list(existing), ctype, cstatus, reason, message[:1000], generation=generation, now=stamp
-            )
+            transition(list(existing), ctype, cstatus, reason, message, generation=generation, now=stamp)
         )
         for ctype, cstatus, reason, message in wanted
     ]
