@@ -499,12 +499,14 @@ class ProbeScheduler:
         self.metrics.forget(namespace, name)
         self.metrics.scheduled.set(len(self._models))
 
-    def _gone(self, namespace: str, name: str) -> None:
-        """A status write answered 404: the ServedModel is gone, whatever the watch has said so far. It
-        leaves the cache too, or the next sync from the cache would track (and probe) it again."""
+    def _gone(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        """A status write for `body` answered 404: that ServedModel is gone, whatever the watch has said
+        so far. It leaves the cache too, or the next sync from the cache would track (and probe) it
+        again; a newer object of the same name already in the cache stays, and the next sync tracks it."""
         self.forget(namespace, name)
         if self.cache is not None:
-            self.cache.evict(SERVED_MODEL_KIND, namespace, name)
+            uid = str((body.get("metadata") or {}).get("uid") or "")
+            self.cache.evict(SERVED_MODEL_KIND, namespace, name, uid)
 
     def tracked(self) -> list[Key]:
         return sorted(self._models)
@@ -791,7 +793,7 @@ class ProbeScheduler:
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
             )
         except NotFoundError:
-            self._gone(namespace, name)
+            self._gone(namespace, name, body)
             return result
         except ApiError as exc:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
@@ -1031,7 +1033,7 @@ class ProbeScheduler:
                 API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
             )
         except NotFoundError:
-            self._gone(namespace, name)
+            self._gone(namespace, name, body)
             return result
         except ApiError as exc:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)

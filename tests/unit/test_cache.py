@@ -137,6 +137,23 @@ def test_a_late_write_through_never_resurrects() -> None:
 def test_evict_forgets_and_tombstones() -> None:
     cache = Cache()
     cache.apply_event("ServedModel", "ADDED", sm("m", "u", 5))
-    assert cache.evict("ServedModel", "a", "m")
+    assert cache.evict("ServedModel", "a", "m", "u")
     assert cache.get("ServedModel", "a", "m") is None
     assert not cache.upsert("ServedModel", sm("m", "u", 9))
+
+
+def test_a_late_404_for_the_old_object_leaves_the_recreated_one() -> None:
+    # Delete + recreate of one name: the new object's ADDED event is in the cache before the old one's
+    # status write comes back 404. The eviction names the old uid; the new object stays (it did not:
+    # test_faults.py's delete + recreate x100 once ended with the API holding one ServedModel and the
+    # operator's cache none, so nothing reconciled or probed it).
+    cache = Cache()
+    cache.apply_event("ServedModel", "ADDED", sm("m", "old", 5))
+    cache.apply_event("ServedModel", "ADDED", sm("m", "new", 7))
+    assert not cache.evict("ServedModel", "a", "m", "old")
+    got = cache.get("ServedModel", "a", "m")
+    assert got is not None
+    assert got["metadata"]["uid"] == "new"
+    cache.apply_event("ServedModel", "DELETED", sm("m", "old", 8))  # the watch catches up: still there
+    assert cache.get("ServedModel", "a", "m") is not None
+    assert not cache.upsert("ServedModel", sm("m", "old", 6))  # the old one's late answer stays out

@@ -47,7 +47,8 @@ Deletes, as client-go's informers keep them (what k8s/informer.py relies on):
   deliver the new object's write-through before the old one's DELETED);
 - deleted uids are remembered (a bounded set of tombstones): a write-through that lands after the
   DELETED event never re-inserts the object;
-- ``evict(kind, namespace, name)``: a write answered 404 drops the object and tombstones its uid.
+- ``evict(kind, namespace, name, uid)``: a write answered 404 drops that object (by uid: a newer one
+  of the same name stays) and tombstones its uid.
 """
 
 from __future__ import annotations
@@ -226,9 +227,11 @@ class Cache:
             del self._store[kind][namespace]
         return True
 
-    def evict(self, kind: str, namespace: str, name: str) -> bool:
-        """A write was answered 404: the object is gone, whatever the watch has said so far."""
-        return self.remove(kind, namespace, name)
+    def evict(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """A write for the object of `uid` was answered 404: that object is gone, whatever the watch has
+        said so far. Only that uid leaves: a delete + recreate of one name can have the new object's
+        ADDED event in the cache before the old one's write comes back 404."""
+        return self.remove(kind, namespace, name, uid=uid)
 
     def _tombstone(self, uid: str) -> None:
         if not uid:
