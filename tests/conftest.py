@@ -54,7 +54,13 @@ def control_plane_missing() -> str | None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (`make test`), every real-vLLM test runs in one worker: vLLM's CPU engines take
+    # both cores while they start, and two of them at once would make each slower than the tests allow.
+    for item in items:
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
     # Locally, skip at collection (no session fixture starts for a test that cannot run). Required, mark
     # nothing: `_cluster_build` fails each `cluster` test with the reason.
     reason = control_plane_missing()
@@ -105,7 +111,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[N
         _leftovers_report.append(
             f"control-plane components still running after the suite (now killed): {names}"
         )
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller reports and fails the run
+        workeroutput["control_plane_leftovers"] = list(_leftovers_report)
+    if _leftovers_report:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _leftovers_report.extend((getattr(node, "workeroutput", None) or {}).get("control_plane_leftovers", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -122,6 +122,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[N
         server.stop()
     if _leftovers:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # A pytest-xdist worker hands its rows and leftovers to the controller, which prints the summary.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["vllm_fault_rows"] = list(FAULT_ROWS)
+        workeroutput["vllm_leftovers"] = list(_leftovers)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    out = getattr(node, "workeroutput", None) or {}
+    FAULT_ROWS.extend(tuple(row) for row in out.get("vllm_fault_rows", []))
+    _leftovers.extend(out.get("vllm_leftovers", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
