@@ -6,8 +6,6 @@ ServedModel keep each other's conditions (status.conditions is a list-map keyed 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -130,27 +128,24 @@ async def test_two_managers_share_status(
     assert managers == {FIELD_MANAGER, PROBE_FIELD_MANAGER}
 
 
-async def test_endpoint_slices_and_events(client: KubeClient, namespace: str) -> None:
+async def test_label_selected_list_and_events(client: KubeClient, namespace: str) -> None:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": "engine", "namespace": namespace},
+        "metadata": {
+            "name": "engine",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/instance": "m1"},
+        },
         "spec": {"selector": {"app": "nothing"}, "ports": [{"name": "http", "port": 8000}]},
     }
+    other = {**service, "metadata": {"name": "other", "namespace": namespace, "labels": {"x": "y"}}}
     await client.apply(service, "test-manager")
-    deadline = time.monotonic() + 60.0
-    slices: list[dict[str, Any]] = []
-    while not slices:  # the EndpointSlice controller (controller-manager) creates one, empty
-        slices = await client.list(
-            "discovery.k8s.io/v1",
-            "endpointslices",
-            namespace,
-            label_selector={"kubernetes.io/service-name": "engine"},
-        )
-        assert time.monotonic() < deadline, "no EndpointSlice for the Service"
-        await asyncio.sleep(0.2)
-    assert slices[0]["metadata"]["labels"]["kubernetes.io/service-name"] == "engine"
-    assert not slices[0].get("endpoints")  # nothing matches the selector
+    await client.apply(other, "test-manager")
+    selected = await client.list(
+        "v1", "services", namespace, label_selector={"app.kubernetes.io/instance": "m1"}
+    )
+    assert [s["metadata"]["name"] for s in selected] == ["engine"]  # the selector went to the API server
 
     svc = await client.get("v1", "services", namespace, "engine")
     assert svc is not None

@@ -229,26 +229,18 @@ async def test_list_follows_pages_and_selects(
         (200, {"items": [{**pod, "metadata": {"name": "a"}}], "metadata": {"continue": "abc"}}),
         (200, {"items": [{**pod, "metadata": {"name": "b"}}], "metadata": {}}),
     )
-    slice_ = {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "addressType": "IPv4",
-        "endpoints": [],
-    }
-    api.on("GET", "/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices", (200, {"items": [slice_]}))
+    rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {"name": "m1-5d9c"}}
+    api.on("GET", "/apis/apps/v1/namespaces/ns1/replicasets", (200, {"items": [rs]}))
     async with client_for() as client:
         pods = await client.list("v1", "pods", "ns1", label_selector="app=m1,tier")
-        slices = await client.list(
-            "discovery.k8s.io/v1",
-            "endpointslices",
-            "ns1",
-            label_selector={"kubernetes.io/service-name": "m1"},
+        replica_sets = await client.list(
+            "apps/v1", "replicasets", "ns1", label_selector={"app.kubernetes.io/instance": "m1"}
         )
     assert [p["metadata"]["name"] for p in pods] == ["a", "b"]
-    assert slices[0]["addressType"] == "IPv4"
+    assert [r["metadata"]["name"] for r in replica_sets] == ["m1-5d9c"]
     assert api.seen[0].query == {"limit": "500", "labelSelector": "app=m1,tier"}
     assert api.seen[1].query["continue"] == "abc"
-    assert api.seen[2].query["labelSelector"] == "kubernetes.io/service-name=m1"
+    assert api.seen[2].query["labelSelector"] == "app.kubernetes.io/instance=m1"
 
 
 async def test_discovery_and_unknown_kinds(api: FakeApiServer, client_for: Callable[..., KubeClient]) -> None:

@@ -29,7 +29,7 @@ Read API (what the reconciler, the probe scheduler and autoscaling use):
   ``len(cache)``; ``cache.count(kind)``.
 
 Kinds are named by their `kind` ("ServedModel", "Deployment", "Pod", "Service", "PersistentVolumeClaim",
-"EndpointSlice", "HorizontalPodAutoscaler", "ScaledObject", ...): the operator never watches two kinds
+"ConfigMap", "HorizontalPodAutoscaler", "ScaledObject", ...): the operator never watches two kinds
 of the same name from different groups.
 
 Ordering: a watch delivers one kind's events in order, but a written-through response can be newer

@@ -110,7 +110,6 @@ KNOWN_RESOURCES: Final = (
     Resource("v1", "Namespace", "namespaces", namespaced=False),
     Resource("apps/v1", "Deployment", "deployments"),
     Resource("apps/v1", "ReplicaSet", "replicasets"),
-    Resource("discovery.k8s.io/v1", "EndpointSlice", "endpointslices"),
     Resource("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     Resource("route.openshift.io/v1", "Route", "routes"),
     Resource("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
