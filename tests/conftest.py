@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT / "hack"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import controlplane  # noqa: E402  (hack/ is tooling, not a package)
-from required import REQUIRE_CLUSTER, need, required  # noqa: E402  (tests/ is not a package either)
+import summary  # noqa: E402  (tests/ is not a package either)
+from required import REQUIRE_CLUSTER, need, required  # noqa: E402
 
 CRD_DIR = ROOT / "crds"
-_leftovers_report: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -100,31 +100,35 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     _skip_forbidden(outcome.get_result())
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(hookwrapper=True)  # inside pytest-xdist's, which sends workeroutput after it
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
-    # After the wrapped hooks: pytest's runner tears down session fixtures there, so by now every
-    # component must be gone, in success, failure and interruption alike.
+    # After the wrapped hooks: pytest's runner tears down session fixtures there (and tests/vllm/conftest.py
+    # has stopped its engines), so by now every component must be gone, in success, failure and
+    # interruption alike.
     yield
     left = controlplane.kill_leftovers()
     if left:
         names = ", ".join(f"{n} (pid {p})" for n, p in left)
-        _leftovers_report.append(
-            f"control-plane components still running after the suite (now killed): {names}"
-        )
+        summary.LEAKS.append(f"control-plane components still running after the suite (now killed): {names}")
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # a pytest-xdist worker: the controller reports and fails the run
-        workeroutput["control_plane_leftovers"] = list(_leftovers_report)
-    if _leftovers_report:
+    if workeroutput is not None:  # a pytest-xdist worker: the controller prints, and fails the run
+        workeroutput["summary_lines"] = list(summary.LINES)
+        workeroutput["summary_leaks"] = list(summary.LEAKS)
+    elif summary.LEAKS:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    _leftovers_report.extend((getattr(node, "workeroutput", None) or {}).get("control_plane_leftovers", []))
+    out = getattr(node, "workeroutput", None) or {}
+    summary.LINES.extend(out.get("summary_lines", []))
+    summary.LEAKS.extend(out.get("summary_leaks", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for line in _leftovers_report:
+    for line in summary.LINES:
+        terminalreporter.write_line(line)
+    for line in summary.LEAKS:
         terminalreporter.write_line(f"ERROR: {line}", red=True, bold=True)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+import summary
 import vllm_env
 import vllm_models
 import vllm_server
@@ -108,47 +109,27 @@ def fault_table() -> list[tuple[str, str, float, str, float | None]]:
     return FAULT_ROWS
 
 
-_leftovers: list[str] = []
-
-
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(hookwrapper=True, trylast=True)  # inside tests/conftest.py's, which reports
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
-    # After the session fixtures' teardown: any vLLM process group still alive is a leak; stop it.
+    # After the session fixtures' teardown: any vLLM process group still alive is a leak; stop it. The
+    # leaks and the fault table go to tests/summary.py, which tests/conftest.py prints (and fails on).
     yield
     for server in list(_servers):
         members = vllm_server.group_members(server.pid) if server.starts else []
         if members:
-            _leftovers.append(f"vLLM on port {server.port}: pids {members}")
+            summary.LEAKS.append(
+                f"vLLM on port {server.port} still running after the suite (now stopped): pids {members}"
+            )
         server.stop()
-    if _leftovers:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    # A pytest-xdist worker hands its rows and leftovers to the controller, which prints the summary.
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:
-        workeroutput["vllm_fault_rows"] = list(FAULT_ROWS)
-        workeroutput["vllm_leftovers"] = list(_leftovers)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    out = getattr(node, "workeroutput", None) or {}
-    FAULT_ROWS.extend(tuple(row) for row in out.get("vllm_fault_rows", []))
-    _leftovers.extend(out.get("vllm_leftovers", []))
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for line in _leftovers:
-        terminalreporter.write_line(f"ERROR: still running after the suite (now stopped): {line}", red=True)
     if not FAULT_ROWS:
         return
-    write = terminalreporter.write_line
-    write("")
-    write("real vLLM faults (probe interval 5 s, timeout 20 s, firstByteTimeout 5 s):")
-    write("| fault | status seen | detected after | cleared by | Serving=True again after |")
-    write("|---|---|---|---|---|")
+    summary.LINES.append("")
+    summary.LINES.append("real vLLM faults (probe interval 5 s, timeout 20 s, firstByteTimeout 5 s):")
+    summary.LINES.append("| fault | status seen | detected after | cleared by | Serving=True again after |")
+    summary.LINES.append("|---|---|---|---|---|")
     for fault, seen, detect_s, cleared_by, recover_s in FAULT_ROWS:
         again = f"{recover_s:.1f} s" if recover_s is not None else "-"
-        write(f"| {fault} | {seen} | {detect_s:.1f} s | {cleared_by} | {again} |")
+        summary.LINES.append(f"| {fault} | {seen} | {detect_s:.1f} s | {cleared_by} | {again} |")
 
 
 @pytest.hookimpl(hookwrapper=True)
