@@ -505,8 +505,7 @@ class ProbeScheduler:
         again; a newer object of the same name already in the cache stays, and the next sync tracks it."""
         self.forget(namespace, name)
         if self.cache is not None:
-            uid = str((body.get("metadata") or {}).get("uid") or "")
-            self.cache.evict(SERVED_MODEL_KIND, namespace, name, uid)
+            self.cache.evict(SERVED_MODEL_KIND, body)
 
     def tracked(self) -> list[Key]:
         return sorted(self._models)

@@ -137,7 +137,7 @@ def test_a_late_write_through_never_resurrects() -> None:
 def test_evict_forgets_and_tombstones() -> None:
     cache = Cache()
     cache.apply_event("ServedModel", "ADDED", sm("m", "u", 5))
-    assert cache.evict("ServedModel", "a", "m", "u")
+    assert cache.evict("ServedModel", sm("m", "u", 5))
     assert cache.get("ServedModel", "a", "m") is None
     assert not cache.upsert("ServedModel", sm("m", "u", 9))
 
@@ -150,7 +150,7 @@ def test_a_late_404_for_the_old_object_leaves_the_recreated_one() -> None:
     cache = Cache()
     cache.apply_event("ServedModel", "ADDED", sm("m", "old", 5))
     cache.apply_event("ServedModel", "ADDED", sm("m", "new", 7))
-    assert not cache.evict("ServedModel", "a", "m", "old")
+    assert not cache.evict("ServedModel", sm("m", "old", 5))
     got = cache.get("ServedModel", "a", "m")
     assert got is not None
     assert got["metadata"]["uid"] == "new"

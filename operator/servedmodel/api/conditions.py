@@ -92,9 +92,9 @@ def find(conditions: object, type_: str) -> Mapping[str, Any] | None:
 MESSAGE_MAX: Final = 1000
 
 
-def clip(message: str, limit: int = MESSAGE_MAX) -> str:
-    """`message` cut to `limit` characters (a condition's, status.probe's)."""
-    return message[:limit]
+def clip(message: str) -> str:
+    """`message` cut to MESSAGE_MAX characters (a condition's, status.probe's)."""
+    return message[:MESSAGE_MAX]
 
 
 def transition(
@@ -106,17 +106,16 @@ def transition(
     *,
     generation: int | None,
     now: str,
-    limit: int = MESSAGE_MAX,
 ) -> dict[str, Any]:
     """The condition `type_` as it should be now (camelCase, ready for server-side apply).
 
     `previous` is the current condition list; when the condition there has the same status, its
     lastTransitionTime is kept, else it becomes `now` (RFC 3339, seconds: metav1.Time). A status
-    that only changes its reason or message is not a transition. The message is clipped to `limit`.
+    that only changes its reason or message is not a transition. The message is clipped (`clip`).
     """
     old = find(previous, type_)
     kept = old.get("lastTransitionTime") if old is not None and old.get("status") == status else None
-    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": clip(message, limit)}
+    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": clip(message)}
     if generation is not None:
         out["observedGeneration"] = generation
     out["lastTransitionTime"] = str(kept) if kept else now

@@ -80,7 +80,7 @@ async def reconcile_key(memo: Any, key: tuple[str, str]) -> None:
         posted.pop((uid, name), None)
         # Deleted under us (a write found nothing): forget it now rather than when the watch says so,
         # so no later event of its children brings it back.
-        cache.evict(SERVED_MODEL, namespace, name, uid)
+        cache.evict(SERVED_MODEL, body)
         log.info("[%s/%s] gone (a write answered 404): forgotten", namespace, name)
         return
     except Exception:

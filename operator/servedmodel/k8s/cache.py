@@ -47,8 +47,8 @@ Deletes, as client-go's informers keep them (what k8s/informer.py relies on):
   deliver the new object's write-through before the old one's DELETED);
 - deleted uids are remembered (a bounded set of tombstones): a write-through that lands after the
   DELETED event never re-inserts the object;
-- ``evict(kind, namespace, name, uid)``: a write answered 404 drops that object (by uid: a newer one
-  of the same name stays) and tombstones its uid.
+- ``evict(kind, obj)``: a write for `obj` answered 404 drops that object as its DELETED event would
+  (by uid: a newer one of the same name stays) and tombstones its uid.
 """
 
 from __future__ import annotations
@@ -184,8 +184,7 @@ class Cache:
         Returns True when the store changed (a stale event changes nothing)."""
         self.track(kind)
         if event_type == "DELETED":
-            meta = _meta(obj)
-            return self.remove(kind, str(meta.get("namespace") or ""), str(meta.get("name")), uid=_uid(obj))
+            return self._remove_object(kind, obj)
         return self.upsert(kind, obj, written=False)
 
     def upsert(self, kind: str, obj: Mapping[str, Any], *, written: bool = True) -> bool:
@@ -227,11 +226,15 @@ class Cache:
             del self._store[kind][namespace]
         return True
 
-    def evict(self, kind: str, namespace: str, name: str, uid: str) -> bool:
-        """A write for the object of `uid` was answered 404: that object is gone, whatever the watch has
-        said so far. Only that uid leaves: a delete + recreate of one name can have the new object's
-        ADDED event in the cache before the old one's write comes back 404."""
-        return self.remove(kind, namespace, name, uid=uid)
+    def evict(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """A write for `obj` was answered 404: that object is gone, whatever the watch has said so far,
+        and leaves as its DELETED event would (by uid: a delete + recreate of one name can have the new
+        object's ADDED event in the cache before the old one's write comes back 404)."""
+        return self._remove_object(kind, obj)
+
+    def _remove_object(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        meta = _meta(obj)
+        return self.remove(kind, str(meta.get("namespace") or ""), str(meta.get("name")), uid=_uid(obj))
 
     def _tombstone(self, uid: str) -> None:
         if not uid:
