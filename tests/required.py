@@ -10,12 +10,27 @@ failure under SERVEDMODEL_REQUIRE_CLUSTER=1 (the backstop for a skip that does n
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
 
 REQUIRE_CLUSTER = "SERVEDMODEL_REQUIRE_CLUSTER"  # the control plane and every tool beside it
 REQUIRE_VLLM = "SERVEDMODEL_REQUIRE_VLLM"  # vLLM's CPU environment
+
+TESTS = Path(__file__).resolve().parent
+
+
+def lay_out_suite(tests: Path) -> None:
+    """tests/conftest.py and every module beside it that it imports, laid out under `tests` for a pytest run
+    of its own (tests/test_required.py, tests/vllm/test_vllm_env.py). The conftest is copied, so that pytest
+    roots it in `tests`; the other top-level modules are linked, every one of them, so a new one cannot be
+    forgotten here."""
+    tests.mkdir(parents=True, exist_ok=True)
+    (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    for module in TESTS.glob("*.py"):
+        if module.name != "conftest.py" and not module.name.startswith("test_"):
+            (tests / module.name).symlink_to(module)
 
 
 def required(env: str = REQUIRE_CLUSTER) -> bool:

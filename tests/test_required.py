@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from required import lay_out_suite
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBES = """
@@ -25,9 +27,7 @@ def test_skips_for_a_reason_of_its_own():
 
 def run_pytest(tmp_path: Path, required: str) -> subprocess.CompletedProcess[str]:
     tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tests / "required.py").symlink_to(ROOT / "tests" / "required.py")
+    lay_out_suite(tests)
     (tmp_path / "hack").symlink_to(ROOT / "hack")
     (tests / "test_probes.py").write_text(textwrap.dedent(PROBES))
     env = {

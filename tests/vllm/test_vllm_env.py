@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import vllm_env
+from required import lay_out_suite
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,8 +67,7 @@ def test_missing_environment_skips_locally_and_fails_in_ci(
     probe = tmp_path / "tests" / "vllm" / "test_needs_vllm.py"
     probe.parent.mkdir(parents=True)
     # The suite's own conftests, an empty cache: the session server fixture has no environment to use.
-    (tmp_path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "tests" / "required.py").symlink_to(ROOT / "tests" / "required.py")
+    lay_out_suite(tmp_path / "tests")
     (tmp_path / "tests" / "vllm" / "conftest.py").write_text(
         Path(__file__).with_name("conftest.py").read_text()
     )
