@@ -78,7 +78,7 @@ crd: install
 # the `vllm` group), so vLLM's CPU engines never compete with each other. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 test: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
-	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit tests/golden

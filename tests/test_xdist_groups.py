@@ -1,0 +1,65 @@
+"""`make test` runs the suite in pytest-xdist workers with --dist loadgroup, and tests/conftest.py puts
+every `vllm`-marked test in one group, so that vLLM's CPU engines never start side by side. pytest 9.2
+silently broke that grouping (pytest-dev/pytest-xdist#1386: the group suffix xdist writes into the node
+id no longer takes), which pyproject.toml's pin keeps out; this test is what notices the next time."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from required import lay_out_suite
+
+TESTS = """
+import time
+
+import pytest
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("i", range(4))
+def test_engine(i):
+    time.sleep(0.3)  # long enough that an idle worker would take the next one
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_plain(i):
+    time.sleep(0.3)
+"""
+
+
+def test_every_vllm_test_runs_in_one_worker(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    lay_out_suite(tests)
+    (tmp_path / "hack").symlink_to(Path(__file__).resolve().parents[1] / "hack")
+    (tests / "test_grouped.py").write_text(textwrap.dedent(TESTS))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "3",
+            "--dist",
+            "loadgroup",
+            "tests",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "SERVEDMODEL_REQUIRE_CLUSTER": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    ran = re.findall(r"\[(gw\d+)\] .*PASSED tests/test_grouped\.py::(test_\w+)\[", res.stdout)
+    assert len(ran) == 8, res.stdout
+    engine_workers = {worker for worker, test in ran if test == "test_engine"}
+    assert len(engine_workers) == 1, f"the vllm-marked tests ran in {sorted(engine_workers)}:\n{res.stdout}"
