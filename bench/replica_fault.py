@@ -35,6 +35,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench_support import OperatorProcess, Proc, controlplane, prepare, scrape, total
+from rollout_rig import write_override
 from servedmodel.sim.process import SimulatorProcess
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -140,8 +141,8 @@ def main() -> int:
 
         names = wait("engine pods running", running_pods, 120)
         mapped = time.monotonic()
-        override.write_text(
-            "\n".join(f"{NAMESPACE}/{NAME}/{n}={s.base_url}" for n, s in zip(names, sims, strict=True))
+        write_override(
+            override, [f"{NAMESPACE}/{NAME}/{n}={s.base_url}" for n, s in zip(names, sims, strict=True)]
         )
         wait(
             "every endpoint ready",

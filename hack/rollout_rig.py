@@ -11,12 +11,22 @@ Used by tests/cluster/test_rollout_gate.py and bench/rollout_gate.py.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import controlplane
 
 REVISION_LABEL = "inference.servedmodel.io/revision"  # servedmodel.api.names.REVISION_LABEL
+
+
+def write_override(path: Path, lines: list[str]) -> None:
+    """Replace the endpoint-override file in one step (a new file renamed over it). The operator reads
+    it every probe cycle; a write in place can be read truncated or empty, and an empty override sends
+    the probe to the pods' own (kwok, 10.244.x.x) addresses, which fail as no engine would."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, path)
 
 
 class RevisionMapper(threading.Thread):
@@ -67,8 +77,7 @@ class RevisionMapper(threading.Thread):
             i = used.get(id(pool), 0)
             used[id(pool)] = i + 1
             urls[p["metadata"]["name"]] = pool[i % len(pool)]
-        lines = [f"{self.namespace}/{self.name}/{pod}={url}" for pod, url in urls.items()]
-        self.path.write_text("\n".join(lines) + "\n")
+        write_override(self.path, [f"{self.namespace}/{self.name}/{pod}={url}" for pod, url in urls.items()])
         eps = self.cp.endpoint_ready(self.namespace, f"{self.name}-engine")
         engines = {**terminating, **urls}
         with self._lock:

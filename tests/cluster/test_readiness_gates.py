@@ -19,6 +19,7 @@ import pytest
 from cluster_support import apply, condition, served_model
 
 import controlplane
+from rollout_rig import write_override
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.sim.process import SimulatorProcess
 
@@ -179,8 +180,8 @@ def test_one_replica_of_three_fails_and_leaves_the_endpoint_slice(
         # Held back by the gate: running, containers ready, but no traffic before a real generation.
         assert all(ready_of(p) == "False" for p in pods)
         assert all(gate_of(p) is None for p in pods)
-        override.write_text(
-            "\n".join(f"{namespace}/qwen/{n}={s.base_url}" for n, s in zip(names, sims, strict=True))
+        write_override(
+            override, [f"{namespace}/qwen/{n}={s.base_url}" for n, s in zip(names, sims, strict=True)]
         )
 
         def all_ready() -> dict[str, bool] | None:
