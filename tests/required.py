@@ -22,11 +22,12 @@ TESTS = Path(__file__).resolve().parent
 
 
 def lay_out_suite(tests: Path) -> None:
-    """tests/conftest.py and every module beside it that it imports, laid out under `tests` for a pytest run
-    of its own (tests/test_required.py, tests/vllm/test_vllm_env.py). The conftest is copied, so that pytest
-    roots it in `tests`; the other top-level modules are linked, every one of them, so a new one cannot be
-    forgotten here."""
+    """tests/conftest.py, every module beside it and hack/ (which it imports from), laid out under `tests`
+    and beside it for a pytest run of its own (tests/test_required.py, tests/test_xdist_groups.py,
+    tests/vllm/test_vllm_env.py). The conftest is copied, so that pytest roots it in `tests`; the other
+    top-level modules are linked, every one of them, so a new one cannot be forgotten here."""
     tests.mkdir(parents=True, exist_ok=True)
+    (tests.parent / "hack").symlink_to(TESTS.parent / "hack")
     (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     for module in TESTS.glob("*.py"):
         if module.name != "conftest.py" and not module.name.startswith("test_"):

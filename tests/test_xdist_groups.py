@@ -35,7 +35,6 @@ def test_plain(i):
 def test_every_vllm_test_runs_in_one_worker(tmp_path: Path) -> None:
     tests = tmp_path / "tests"
     lay_out_suite(tests)
-    (tmp_path / "hack").symlink_to(Path(__file__).resolve().parents[1] / "hack")
     (tests / "test_grouped.py").write_text(textwrap.dedent(TESTS))
     res = subprocess.run(
         [

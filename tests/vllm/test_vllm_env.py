@@ -72,7 +72,6 @@ def test_missing_environment_skips_locally_and_fails_in_ci(
         Path(__file__).with_name("conftest.py").read_text()
     )
     (tmp_path / "tests" / "cluster").symlink_to(ROOT / "tests" / "cluster")
-    (tmp_path / "hack").symlink_to(ROOT / "hack")
     (tmp_path / "crds").symlink_to(ROOT / "crds")
     probe.write_text(
         textwrap.dedent(
