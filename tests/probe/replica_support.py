@@ -15,7 +15,7 @@ from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.config import OperatorConfig
 from servedmodel.k8s import KNOWN_RESOURCES, NotFoundError, Resource
 from servedmodel.k8s.cache import Cache
-from servedmodel.probing import ProbeMetrics, ProbeScheduler
+from servedmodel.prober import ProbeMetrics, ProbeScheduler
 
 LOOPBACK_TARGETS = "*.svc,*.svc.cluster.local,127.0.0.1"
 
@@ -114,8 +114,25 @@ class Cluster:
         return next(c for c in self.body["status"]["conditions"] if c["type"] == type_)
 
     def gate(self, pod_name: str) -> str | None:
+        """The pod's gate status ("True"/"False"), which an assertion's diff shows with its reason."""
         conds = self.pods[pod_name]["status"]["conditions"]
-        return next((c["status"] for c in conds if c["type"] == READINESS_GATE_CONDITION), None)
+        cond = next((c for c in conds if c["type"] == READINESS_GATE_CONDITION), None)
+        return None if cond is None else Gate(cond)
+
+
+class Gate(str):
+    """A gate condition's status that compares as the plain string and reprs with its reason and message,
+    so a failed `[gate(n) for n in PODS] == [...]` says why a gate is what it is."""
+
+    def __new__(cls, cond: dict[str, Any]) -> Gate:
+        gate = super().__new__(cls, str(cond["status"]))
+        gate.why = f"{cond.get('reason')}: {cond.get('message')}"
+        return gate
+
+    why: str
+
+    def __repr__(self) -> str:
+        return f"{str.__repr__(self)} ({self.why})"
 
 
 def served_model(**probe: Any) -> dict[str, Any]:

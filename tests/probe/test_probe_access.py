@@ -1,4 +1,4 @@
-"""The probe scheduler's access rules on loopback listeners (servedmodel.access in servedmodel.probing):
+"""The probe scheduler's access rules on loopback listeners (servedmodel.access in servedmodel.prober):
 a Secret without its owner's opt-in is never read into a request, an endpoint outside the operator's
 allow-list is never contacted, a redirect is never followed, TLS verification is not the ServedModel's
 to switch off, and an engine that echoes the API key back gets it into no status, Event or log line."""

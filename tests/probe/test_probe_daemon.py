@@ -1,4 +1,4 @@
-"""The probe scheduler (servedmodel.probing) without kopf: its pure pieces, and whole cycles against the
+"""The probe scheduler (servedmodel.prober) without kopf: its pure pieces, and whole cycles against the
 simulator on loopback. The Kubernetes side is a recorder of the scheduler's reads and writes (the real
 API server is in tests/cluster/test_probe_cluster.py)."""
 
@@ -20,7 +20,7 @@ from servedmodel.k8s.cache import Cache
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.compose import status_patch
 from servedmodel.probe.errors import ENGINE_UNHEALTHY, ProbeFailure
-from servedmodel.probing import ProbeScheduler, first_due
+from servedmodel.prober import ProbeScheduler, first_due
 from servedmodel.sim.process import SimulatorProcess
 
 MANAGED = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "resources": {"gpus": 1}}

@@ -16,7 +16,7 @@ import pytest
 import replica_support
 from replica_support import Cluster
 
-from servedmodel.probing import ProbeScheduler
+from servedmodel.prober import ProbeScheduler
 from servedmodel.sim.process import SimulatorProcess
 
 

@@ -133,7 +133,7 @@ def test_dashboard_shape() -> None:
 
 def test_operator_metric_names_exist() -> None:
     """servedmodel_* names the rules and dashboard use are registered by the operator."""
-    import servedmodel.handlers.probe  # noqa: F401  (registers the probe metrics)
+    import servedmodel.handlers.prober  # noqa: F401  (registers the probe metrics)
     from servedmodel.handlers.metrics import REGISTRY
 
     # Families, not samples: a labelled histogram has no samples before its first observation.

@@ -27,7 +27,7 @@ from servedmodel.probe.metrics import MetricsSnapshot
 from servedmodel.probe.replicas import PodResult, Window
 from servedmodel.probe.report import build_status
 from servedmodel.probe.sse import ClientFigures
-from servedmodel.probing import containers_ready
+from servedmodel.prober import containers_ready
 from servedmodel.render import RenderContext, deployment
 
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
@@ -242,7 +242,7 @@ def pod(name: str, ready: bool = True, gate: dict[str, Any] | None = None) -> di
 
 
 def gate(r: PodResult, p: dict[str, Any], previous: Any = None, at: datetime = T0, **thresholds: int) -> Any:
-    """The gate condition after r's cycle, from the pod entry its counts give (as probing.py does)."""
+    """The gate condition after r's cycle, from the pod entry its counts give (as prober/cycle.py does)."""
     entry = replicas.pod_entry(r, previous)
     return replicas.gate_condition(r, entry, p, at, **thresholds), entry
 

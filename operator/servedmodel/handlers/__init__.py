@@ -2,9 +2,9 @@
 
 startup: the operator's start and stop (settings, client, cache and informers, controller, leader
 election, health and metrics servers, in memo); servedmodel: `reconcile_key`, what the controller's
-workers run; probe: starting and stopping the probe scheduler; health and metrics: the HTTP endpoints.
+workers run; prober: starting and stopping the probe scheduler; health and metrics: the HTTP endpoints.
 """
 
-from . import probe, servedmodel, startup
+from . import prober, servedmodel, startup
 
-__all__ = ["probe", "servedmodel", "startup"]
+__all__ = ["prober", "servedmodel", "startup"]

@@ -9,7 +9,7 @@ cache stays warm). kopf runs the process (signals, login, start-up and clean-up)
 memo.config (OperatorConfig), memo.client (servedmodel.k8s.KubeClient), memo.cache (servedmodel.k8s.Cache),
 memo.informers (servedmodel.k8s.informer.Informers), memo.controller (servedmodel.controller.Controller:
 ``memo.controller.enqueue(namespace, name)``), memo.elector (servedmodel.k8s.leader.LeaderElector or
-None), memo.probe_scheduler (servedmodel.probing.ProbeScheduler while this replica leads).
+None), memo.probe_scheduler (servedmodel.prober.ProbeScheduler while this replica leads).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         bind, config.health_port, informers, lambda: elector is None or elector.leading
     )
 
-    from .probe import start_scheduler, stop_scheduler
+    from .prober import start_scheduler, stop_scheduler
 
     async def start_leading() -> None:
         await controller.start()
@@ -273,7 +273,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    from .probe import stop_scheduler
+    from .prober import stop_scheduler
 
     supervisor = getattr(memo, "supervisor", None)
     if isinstance(supervisor, asyncio.Task):

@@ -11,7 +11,7 @@ One call (`compose`) turns what a cycle found into everything the probe writes:
 
 Server-side apply deletes what a writer leaves out, so every field the probe owns is in every patch: a
 cycle that does not compute status.rollout (no revision on the pods, the gate off) keeps it as it was.
-The scheduler (probing.py) does the I/O: it writes the gates, the patch and the Events this returns.
+The prober's cycle (prober/cycle.py) does the I/O: it writes the gates, the patch and the Events this returns.
 The at-zero set (nothing probed: the autoscaler scaled the engine to zero) is scaling.py's.
 """
 

@@ -1,7 +1,7 @@
 """Pure: where a ServedModel's probe connects.
 
 Managed mode: every engine pod at its own address (pod IP, engine port), chat and /metrics alike (the
-probe scheduler walks the pods, servedmodel.probing). External
+probe scheduler walks the pods, servedmodel.prober.cycle). External
 mode: spec.endpoint for both. An operator-wide override (SERVEDMODEL_ENDPOINT_OVERRIDE) replaces the
 resolution, per ServedModel or per pod; the local control plane's pods are fake and their addresses
 must never be contacted.

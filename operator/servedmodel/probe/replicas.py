@@ -2,7 +2,7 @@
 the Serving summary ("2/3"), EngineStalled / KVCachePressure / ProbeUnreliable, each pod's
 readiness-gate condition, and status.rollout (the newest revision's pods through their gates).
 
-Each pod is probed at its own address (probing.py does the I/O); what comes back per pod is a
+Each pod is probed at its own address (prober/cycle.py does the I/O); what comes back per pod is a
 ProbeOutcome with that pod's own /metrics before and after. From those and the previous cycle's figures:
 
 - EngineStalled: the engine's generation counter (vllm:generation_tokens_total) did not move across a

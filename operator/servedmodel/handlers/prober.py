@@ -1,4 +1,4 @@
-"""Glue of the probe scheduler (servedmodel.probing): startup.py calls `start_scheduler(memo)` when this
+"""Glue of the prober (servedmodel.prober): startup.py calls `start_scheduler(memo)` when this
 replica starts leading (the client, the synced cache and the controller are in memo), and
 `stop_scheduler(memo)` when it stops leading and in cleanup. The scheduler is one operator-wide task; it
 follows the cache's ServedModels itself, so no handler feeds it.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servedmodel.probing import ProbeMetrics, ProbeScheduler
+from servedmodel.prober import ProbeMetrics, ProbeScheduler
 
 from .metrics import REGISTRY
 from .startup import operator_config

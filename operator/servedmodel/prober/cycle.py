@@ -1,0 +1,588 @@
+"""One probe cycle of one ServedModel, its I/O from start to end: read the object and its engine pods,
+plan whom to probe, probe them on the ProbeLoop (probe/client.run_probe), compose the status once
+(probe/compose.compose, pure), then write what it composed: the pods' readiness gates, one status patch
+with the probe's field manager, and the Events. The scheduler (scheduler.py) decides when a cycle runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import httpx
+from pydantic import ValidationError
+
+from servedmodel import scaling
+from servedmodel.api import API_GROUP_VERSION, PLURAL
+from servedmodel.api.base import Key, Obj
+from servedmodel.api.conditions import (
+    ENGINE_STALLED,
+    KV_CACHE_PRESSURE,
+    PROBE_UNRELIABLE,
+    ROLLOUT_BLOCKED,
+    SERVING,
+)
+from servedmodel.api.conditions import find as find_condition
+from servedmodel.api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels
+from servedmodel.api.probe import ProbeSpec, ProbeStatus, RolloutStatus, rollout_verdict
+from servedmodel.api.spec import ServedModelSpec
+from servedmodel.config import OperatorConfig
+from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
+from servedmodel.k8s.reader import Reader
+from servedmodel.probe import errors
+from servedmodel.probe.client import (
+    PROBE_LOOP_STALLED,
+    MetricsReader,
+    PodMetrics,
+    ProbeOutcome,
+    http_timeout,
+    run_probe,
+)
+from servedmodel.probe.compose import (
+    Composed,
+    Cycle,
+    Pods,
+    compose,
+    keep_rollout,
+    previous_probe_status,
+    previous_rollout,
+)
+from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url, resolve_override
+from servedmodel.probe.errors import ProbeFailure
+from servedmodel.probe.loop import ProbeLoop
+from servedmodel.probe.replicas import (
+    TEMPLATE_CHANGED,
+    PodResult,
+    Window,
+    aggregate,
+    known_fingerprints,
+    kv_pressure_verdict,
+    pod_revision,
+    stall_verdict,
+)
+from servedmodel.probe.schedule import NOT_READY_WAIT_S, next_delay
+
+from .sources import Sources
+from .telemetry import ProbeMetrics
+
+log = logging.getLogger(__name__)
+
+SERVED_MODEL_KIND: Final = "ServedModel"
+INVALID_SPEC_WAIT_S: Final = 30.0
+
+Enqueue = Callable[[str, str], object]  # the controller's enqueue(namespace, name)
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------
+
+
+def read_override(value: str | None) -> str | None:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE's text: the value, or with '@/path' that file's content, read at
+    every cycle so a test can map pods that did not exist when the operator started (lines count as
+    commas; '#' starts a comment line). An unreadable file overrides nothing."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    lines = (line.strip() for line in text.splitlines())
+    return ",".join(line for line in lines if line and not line.startswith("#"))
+
+
+def containers_ready(pod: Mapping[str, Any]) -> bool:
+    """Running, with an IP and its containers ready (the engine's /health readiness probe passed)."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return False
+    ready = find_condition(status.get("conditions"), "ContainersReady")
+    return ready is not None and ready.get("status") == "True"
+
+
+def serving_of(conditions: Any) -> tuple[str, str] | None:
+    """(status, reason) of a Serving condition in a conditions list."""
+    serving = find_condition(conditions, SERVING)
+    return None if serving is None else (str(serving.get("status")), str(serving.get("reason")))
+
+
+# ---- what a cycle works on -----------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    """One tracked ServedModel: the scheduler's (due, placed, task) and what its cycles last saw and wrote."""
+
+    key: Key
+    body: Obj | None = None  # the last body seen (events, cache, or the write's answer)
+    due: float = 0.0
+    placed: bool = False  # its first due time has been chosen
+    task: asyncio.Task[None] | None = None
+    last_patch: dict[str, Any] | None = None
+    last_status: ProbeStatus | None = None
+    cycles: int = 0
+    removed: bool = False
+    windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
+    rotation: int = 0  # where the next bounded rotation over many pods starts
+
+
+@dataclass(frozen=True)
+class _PodTarget:
+    name: str
+    url: str
+    pod: Obj
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The pods of one managed cycle: whom to probe now, who exists, why nobody (when so)."""
+
+    targets: list[_PodTarget]
+    eligible: list[str]  # pods that can be probed (containers ready, an address)
+    replicas: int  # engine pods that exist, ready or not
+    pods: dict[str, Obj]
+    why: str = ""
+
+
+@dataclass
+class CycleResult:
+    """What one cycle did (tests and the log read it)."""
+
+    probed: bool
+    written: bool = False
+    outcome: ProbeOutcome | None = None
+    status: ProbeStatus | None = None
+    next_delay_s: float = 0.0
+    skipped: str = ""  # why nothing was probed: disabled, not-ready, invalid-spec, gone, deleting
+    pods: list[PodResult] = field(default_factory=list)
+
+
+# ---- the cycle -----------------------------------------------------------------------------------
+
+
+@dataclass
+class CycleRunner:
+    """Runs cycles (`run`) for a scheduler; it holds what they share: the clients, the HTTP pool, the
+    ProbeLoop and the metrics. `forget(namespace, name)` is the scheduler's: a cycle that finds its
+    ServedModel gone or deleting stops its tracking."""
+
+    kube: KubeClient  # tests give fakes with the methods used: get, list, apply_status, create_event
+    config: OperatorConfig
+    metrics: ProbeMetrics
+    reader: Reader
+    cache: Cache | None
+    enqueue: Enqueue | None
+    forget: Callable[[str, str], None]
+    probe_loop: ProbeLoop
+    rng: random.Random
+    clock: Callable[[], float] = time.monotonic
+    sources: Sources = field(init=False)
+    _transport: httpx.AsyncHTTPTransport | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.sources = Sources(self.reader, self.config)
+
+    def _pool(self) -> httpx.AsyncHTTPTransport:
+        if self._transport is None:
+            self._transport = httpx.AsyncHTTPTransport(trust_env=False)
+        return self._transport
+
+    def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
+        """A client with this model's limits over the one connection pool."""
+        return httpx.AsyncClient(transport=_Shared(self._pool()), timeout=http_timeout(spec), trust_env=False)
+
+    def closers(self) -> list[Any]:
+        """The clients to close on the probe loop, whose connections they hold (the scheduler's stop)."""
+        transport, self._transport = self._transport, None
+        return [*([transport.aclose] if transport is not None else []), *self.sources.closers()]
+
+    async def _body(self, model: Model) -> Obj | None:
+        """The ServedModel as it is now (the reader's); without a cache, as tracked or last written."""
+        if self.cache is None and model.body is not None:
+            return model.body
+        return await self.reader.get(API_GROUP_VERSION, PLURAL, *model.key)
+
+    async def run(self, model: Model) -> CycleResult:
+        """One probe cycle of `model`."""
+        namespace, name = model.key
+        body = await self._body(model)
+        if body is None:
+            self.forget(namespace, name)
+            return CycleResult(False, skipped="gone")
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return CycleResult(False, skipped="deleting")
+        try:
+            spec = ServedModelSpec.model_validate(body.get("spec") or {})
+        except ValidationError:
+            return CycleResult(False, skipped="invalid-spec", next_delay_s=INVALID_SPEC_WAIT_S)
+        probe = spec.probe
+        status = dict(body.get("status") or {})
+        if not probe.enabled:
+            return CycleResult(False, skipped="disabled", next_delay_s=float(probe.interval))
+        if scaling.scaled_to_zero(spec, status):
+            return await self._at_zero(model, body, status)
+        generation = (body.get("metadata") or {}).get("generation")
+        probed: list[PodResult] = []
+        plan: _Plan | None = None
+        if spec.external:
+            out = await self.probe_external(model.key, spec)
+        else:
+            plan = await self._plan(model, spec)
+            previous = previous_probe_status(status, model.last_status)
+            if plan.targets:
+                rollout = previous_rollout(status, model.last_patch)
+                probed = await self._probe_pods(model, spec, plan.targets, rollout)
+                out = aggregate(probed)
+            elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
+                # It served before and now no pod can be probed: say so once, then wait quietly.
+                now = datetime.now(UTC)
+                failure = ProbeFailure(errors.NO_READY_ENDPOINTS, plan.why)
+                out = ProbeOutcome(endpoint="", started=now, ended=now, failure=failure)
+            else:
+                return CycleResult(False, skipped="not-ready", next_delay_s=NOT_READY_WAIT_S)
+        model.cycles += 1
+        self.metrics.record(namespace, name, out)
+        pods = None
+        if plan is not None:
+            pods = Pods(
+                probed, plan.eligible, plan.replicas, plan.pods, self._rolled_back_from(namespace, name)
+            )
+        composed = compose(
+            Cycle(out, spec, status, generation, datetime.now(UTC), model.last_status, model.last_patch, pods)
+        )
+        new, patch = composed.status, composed.patch
+        log.info(
+            "probe %s/%s %s: %s",
+            namespace,
+            name,
+            new.result,
+            new.message if new.result == "Success" else f"{new.reason}: {new.message}",
+        )
+        if new.window is not None and new.window.ttft_p95_ms is not None:
+            self.metrics.ttft_p95.labels(namespace, name).set(new.window.ttft_p95_ms / 1000)
+        result = CycleResult(
+            True,
+            outcome=out,
+            status=new,
+            next_delay_s=next_delay(probe.interval, new.consecutive_failures, self.rng),
+            pods=probed,
+        )
+        if probed and plan is not None:
+            await self._after_pods(model, body, probed, plan, status, composed)
+        if patch == model.last_patch:
+            return result
+        before = serving_of(status.get("conditions"))
+        if model.last_patch is not None:
+            before = serving_of(model.last_patch.get("conditions")) or before
+        after = serving_of(patch["conditions"])
+        # The rollout verdict the reconciler acts on (reconcile.rollback): a change enqueues it, as a
+        # Serving change does (our write goes into the cache first, so the watch event shows no change).
+        said = rollout_verdict(status.get("rollout"))
+        if model.last_patch is not None and "rollout" in model.last_patch:
+            said = rollout_verdict(model.last_patch["rollout"])
+        rollout_changed = said != rollout_verdict(patch.get("rollout"))
+        if await self._write(model, body, patch, new):
+            result.written = True
+            if before != after or rollout_changed:  # the reconciler reads these
+                self._enqueue(model.key)
+        return result
+
+    async def _write(
+        self, model: Model, body: Mapping[str, Any], patch: dict[str, Any], new: ProbeStatus | None
+    ) -> bool:
+        """The cycle's one status write (server-side apply, the probe's field manager); False when the
+        ServedModel was forgotten meanwhile, is gone (404: it leaves the cache too) or the write failed."""
+        namespace, name = model.key
+        if model.removed:
+            return False  # forgotten (deleted) while the probe ran: write nothing
+        try:
+            written = await self.kube.apply_status(
+                API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+            )
+        except NotFoundError:
+            self._gone(namespace, name, body)
+            return False
+        except ApiError as exc:
+            log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
+            return False
+        model.last_patch = patch
+        if new is not None:
+            model.last_status = new
+        if isinstance(written, dict) and written.get("metadata"):
+            # The cache's slim copy where it has one: the answer itself carries managedFields (the
+            # probe's status twice over), and a thousand of them were a tenth of the operator's memory.
+            model.body = self._write_through(SERVED_MODEL_KIND, written)
+        self.metrics.status_writes.labels(namespace, name).inc()
+        return True
+
+    def _gone(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        """A status write for `body` answered 404: that ServedModel is gone, whatever the watch has said
+        so far. It leaves the cache too, or the next sync from the cache would track (and probe) it
+        again; a newer object of the same name already in the cache stays, and the next sync tracks it."""
+        self.forget(namespace, name)
+        if self.cache is not None:
+            self.cache.evict(SERVED_MODEL_KIND, body)
+
+    def _enqueue(self, key: Key) -> None:
+        if self.enqueue is not None:
+            self.enqueue(*key)
+
+    # ---- managed mode: every engine pod at its own address -----------------------------------
+
+    async def _plan(self, model: Model, spec: ServedModelSpec) -> _Plan:
+        """Which pods this cycle probes: every pod whose containers are ready (the engine's /health
+        passed: the readiness gate is what stands between it and traffic), at most
+        probe_max_pods_per_cycle of them, rotating through the rest cycle by cycle."""
+        namespace, name = model.key
+        try:
+            pods = await self.reader.list("v1", "pods", namespace, selector_labels(name))
+        except ApiError as exc:
+            return _Plan([], [], 0, {}, f"listing engine pods: {exc.status} {exc.reason}")
+        live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        existing = sorted(str(p["metadata"]["name"]) for p in live)
+        text = read_override(self.config.endpoint_override)
+        if text is None and self.config.endpoint_override:
+            # An override file that cannot be read must not fall back to the pods' real addresses.
+            return _Plan([], [], len(existing), {}, "the endpoint override file cannot be read")
+        per_pod = parse_pod_overrides(text, namespace, name)
+        model_url = None if per_pod else parse_override(text, namespace, name)
+        targets: list[_PodTarget] = []
+        for pod in sorted(live, key=lambda p: str(p["metadata"]["name"])):
+            pod_name = str(pod["metadata"]["name"])
+            if not containers_ready(pod):
+                continue
+            url = per_pod.get(pod_name) if per_pod else (model_url or pod_base_url(pod))
+            if url:
+                targets.append(_PodTarget(pod_name, url, pod))
+        eligible = [t.name for t in targets]
+        why = f"no engine pod of {len(existing)} has its containers ready" if existing else "no engine pod"
+        cap = max(1, self.config.probe_max_pods_per_cycle)
+        if len(targets) > cap:
+            start = model.rotation % len(targets)
+            targets = (targets[start:] + targets[:start])[:cap]
+            model.rotation = start + cap
+        pods_by_name = {str(p["metadata"]["name"]): p for p in live}
+        return _Plan(targets, eligible, len(existing), pods_by_name, why)
+
+    async def _probe_pods(
+        self,
+        model: Model,
+        spec: ServedModelSpec,
+        targets: list[_PodTarget],
+        rollout: RolloutStatus | None,
+    ) -> list[PodResult]:
+        """Probe the pods concurrently, each with its own /metrics; verdicts from this and the last cycle.
+        With the gate on, the first pod of a revision status.rollout has no template fingerprint of
+        also takes one."""
+        namespace, name = model.key
+        fingerprint = [False] * len(targets)
+        if spec.probe.readiness_gate:
+            seen = set(known_fingerprints(rollout))
+            for i, t in enumerate(targets):
+                revision = pod_revision(t.pod)
+                if revision is not None and revision not in seen:
+                    fingerprint[i] = True
+                    seen.add(revision)
+        served = spec.resolved_served_model_name
+        async with self._client(spec.probe) as http:
+            try:
+                api_key = await self.sources.api_key(model.key, spec)
+                prometheus = None
+                if spec.probe.metrics_source.type == "prometheus":
+                    # Prometheus answers for the whole ServedModel, not per pod: read once, around the
+                    # first pod's probe (the others have no server figures then).
+                    prometheus = await self.sources.metrics_reader(
+                        http, model.key, spec, resolve_override(targets[0].url)
+                    )
+            except ProbeFailure as f:
+                self.sources.redacted(model.key)  # nothing was sent; what was read is dropped
+                now = datetime.now(UTC)
+                return [
+                    PodResult(t.name, t.url, ProbeOutcome(endpoint=t.url, started=now, ended=now, failure=f))
+                    for t in targets
+                ]
+
+            async def one(i: int, t: _PodTarget) -> ProbeOutcome:
+                reader: MetricsReader | None
+                if prometheus is not None:
+                    reader = prometheus if i == 0 else None
+                else:
+                    reader = PodMetrics(http, [t.url], served)
+                return await self.probe_loop.submit(
+                    run_probe(
+                        http,
+                        resolve_override(t.url),
+                        spec.probe,
+                        model=served,
+                        api_key=api_key,
+                        metrics=reader,
+                        fingerprint=fingerprint[i],
+                    )
+                )
+
+            outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
+        outcomes = self.sources.redacted(model.key, *outcomes)
+        mono = self.clock()
+        results: list[PodResult] = []
+        for t, out in zip(targets, outcomes, strict=True):
+            previous = model.windows.get(t.name)
+            r = PodResult(t.name, t.url, out)
+            r.stalled = stall_verdict(out, mono, previous)
+            r.kv_pressure = kv_pressure_verdict(out, previous)
+            if out.after is not None:
+                model.windows[t.name] = Window(out.after, mono)
+            results.append(r)
+            self.metrics.pod_probes.labels(namespace, name, r.reason).inc()
+        return results
+
+    async def _after_pods(
+        self,
+        model: Model,
+        body: Obj,
+        probed: list[PodResult],
+        plan: _Plan,
+        status: Mapping[str, Any],
+        composed: Composed,
+    ) -> None:
+        """The composed readiness-gate writes (pods/status), and Events: for every pod whose Serving
+        changed, for EngineStalled / KVCachePressure / RolloutBlocked / ProbeUnreliable turning True, and
+        TemplateChanged."""
+        namespace, name = model.key
+        if model.removed:
+            return
+        previous = previous_probe_status(status, model.last_status)
+        before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
+        for r in probed:
+            pod = plan.pods.get(r.name)
+            if pod is None:
+                continue
+            serving = "True" if r.serving else "False"
+            if before.get(r.name) != serving:
+                self.metrics.pod_transitions.labels(namespace, name, serving, r.reason).inc()
+                await self._event(
+                    {"apiVersion": "v1", "kind": "Pod", "metadata": pod.get("metadata") or {}},
+                    "Normal" if r.serving else "Warning",
+                    "ReplicaServing" if r.serving else "ReplicaNotServing",
+                    f"{name}: {r.reason}: {r.message}"
+                    if not r.serving
+                    else f"{name}: a real chat completion succeeded",
+                )
+        for pod_name, cond in composed.gates.items():
+            try:
+                written_pod = await self.kube.apply_status(
+                    "v1", "pods", namespace, pod_name, {"conditions": [cond]}, self.config.probe_field_manager
+                )
+                plan.pods[pod_name] = self._write_through("Pod", written_pod)
+                self.metrics.gate_writes.labels(namespace, name, cond["status"]).inc()
+            except ApiError as exc:
+                log.warning("readiness gate of pod %s/%s: %s %s", namespace, pod_name, exc.status, exc.reason)
+        if composed.template_changed is not None:
+            await self._event(body, "Normal", TEMPLATE_CHANGED, composed.template_changed)
+        old_conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
+        if model.last_patch is not None:
+            old_conds.update({c.get("type"): c for c in model.last_patch.get("conditions") or []})
+        for c in composed.patch["conditions"]:
+            was = (old_conds.get(c["type"]) or {}).get("status")
+            # a stall of the probe's own loop alone is the machine's noise: in status, not an Event
+            warned = c["type"] in (ENGINE_STALLED, KV_CACHE_PRESSURE, ROLLOUT_BLOCKED) or (
+                c["type"] == PROBE_UNRELIABLE and c["reason"] != PROBE_LOOP_STALLED
+            )
+            if warned and c["status"] == "True" and was != "True":
+                await self._event(body, "Warning", c["type"], c["message"])
+        self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
+        self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
+
+    def _rolled_back_from(self, namespace: str, name: str) -> str | None:
+        """The engine Deployment's rolled-back-from annotation (reconcile.rollback writes it)."""
+        deployment = self.cache.get("Deployment", namespace, deployment_name(name)) if self.cache else None
+        annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+        value = annotations.get(ROLLED_BACK_FROM_ANNOTATION)
+        return str(value) if value else None
+
+    def _write_through(self, kind: str, obj: Obj) -> Obj:
+        """Our write's answer into the cache, so the next cycle does not act on a copy older than what
+        it wrote; returns the cache's (slim) copy, or `obj` without a cache."""
+        if self.cache is None or not obj.get("metadata"):
+            return obj
+        self.cache.upsert(kind, obj)
+        meta = obj["metadata"]
+        return self.cache.get(kind, str(meta.get("namespace") or ""), str(meta.get("name"))) or obj
+
+    async def _event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
+        try:
+            await self.kube.create_event(involved, type=type_, reason=reason, message=message)
+        except ApiError as exc:
+            log.debug("event %s: %s %s", reason, exc.status, exc.reason)
+
+    async def _at_zero(self, model: Model, body: Mapping[str, Any], status: Obj) -> CycleResult:
+        """Scaled to zero by the autoscaler: no chat (it would be traffic, and finds no engine), Serving
+        Unknown once, and no TTFT p95 series (a stale one would keep a KEDA trigger active)."""
+        namespace, name = model.key
+        with contextlib.suppress(KeyError):
+            self.metrics.ttft_p95.remove(namespace, name)
+        result = CycleResult(False, skipped="scaled-to-zero", next_delay_s=NOT_READY_WAIT_S)
+        said = ("Unknown", scaling.SCALED_TO_ZERO)
+        if model.removed or said in (
+            serving_of(status.get("conditions")),
+            serving_of((model.last_patch or {}).get("conditions")),
+        ):
+            return result
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        generation = (body.get("metadata") or {}).get("generation")
+        patch: dict[str, Any] = {
+            "conditions": scaling.scaled_to_zero_conditions(status.get("conditions"), generation, now)
+        }
+        if isinstance(status.get("probe"), dict):
+            patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
+        keep_rollout(status, patch)
+        if await self._write(model, body, patch, None):
+            result.written = True
+            self._enqueue(model.key)
+        return result
+
+    # ---- external mode: one endpoint, spec.endpoint --------------------------------------------
+
+    async def probe_external(self, key: Key, spec: ServedModelSpec) -> ProbeOutcome:
+        """One external-mode cycle's measurements; secret and allow-list refusals are outcomes too."""
+        async with self._client(spec.probe) as http:
+            try:
+                target = self.sources.target(key, spec)
+                api_key = await self.sources.api_key(key, spec)
+                metrics = await self.sources.metrics_reader(http, key, spec, target)
+            except ProbeFailure as f:
+                self.sources.redacted(key)
+                now = datetime.now(UTC)
+                return ProbeOutcome(endpoint="", started=now, ended=now, failure=f)
+            out = await self.probe_loop.submit(
+                run_probe(
+                    http,
+                    target,
+                    spec.probe,
+                    model=spec.resolved_served_model_name,
+                    api_key=api_key,
+                    metrics=metrics,
+                )
+            )
+            [out] = self.sources.redacted(key, out)
+            return out
+
+
+class _Shared(httpx.AsyncBaseTransport):
+    """The runner's connection pool, shared by every cycle's client and closed only by the runner."""
+
+    def __init__(self, pool: httpx.AsyncHTTPTransport) -> None:
+        self._pool = pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,173 @@
+"""The prober's own Prometheus series: what the operator exports about its probes (latencies, cycles,
+status and readiness-gate writes, the two event loops' lag, GC pauses). Not the engine's /metrics, which
+probe/metrics.py parses, nor the operator's other series (handlers/metrics.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from servedmodel.probe.client import ProbeOutcome
+from servedmodel.probe.report import publishable_figures
+
+
+class ProbeMetrics:
+    """The probe's operator metrics, on the registry the operator serves (no module globals)."""
+
+    _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["namespace", "name"]
+        self.ttft = Histogram(
+            "servedmodel_probe_ttft_seconds",
+            "Probe TTFT (request sent -> first content token), seconds.",
+            labels,
+            buckets=self._LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "servedmodel_probe_tpot_seconds",
+            "Probe TPOT, vLLM's definition ((e2e - TTFT)/(completion tokens - 1)), seconds.",
+            labels,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "servedmodel_probe_e2e_seconds",
+            "Probe end to end (request sent -> [DONE]), seconds.",
+            labels,
+            buckets=self._LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.serving = Gauge(
+            "servedmodel_probe_serving", "1 when the last probe succeeded, else 0.", labels, registry=registry
+        )
+        self.failures = Counter(
+            "servedmodel_probe_failures", "Failed probes by reason.", [*labels, "reason"], registry=registry
+        )
+        self.cycles = Counter(
+            "servedmodel_probe", "Probe cycles run, by result.", [*labels, "result"], registry=registry
+        )
+        self.status_writes = Counter(
+            "servedmodel_probe_status_writes",
+            "Status writes of the probe (at most one per cycle).",
+            labels,
+            registry=registry,
+        )
+        # The autoscaling signal (spec.autoscaling.targets.probeTtftP95Ms): the rolling window's p95, which
+        # Prometheus scrapes and prometheus-adapter / KEDA serve to the autoscaler (servedmodel.scaling).
+        self.ttft_p95 = Gauge(
+            "servedmodel_probe_ttft_p95_seconds",
+            "Probe TTFT p95 over the rolling window (status.probe.window.ttftP95Ms), seconds.",
+            labels,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "servedmodel_probe_cycles_in_flight",
+            "Probe cycles running now (bounded by the scheduler's concurrency).",
+            registry=registry,
+        )
+        self.scheduled = Gauge(
+            "servedmodel_probe_scheduled_models",
+            "ServedModels the probe scheduler tracks.",
+            registry=registry,
+        )
+        self.loop_lag = Histogram(
+            "servedmodel_event_loop_lag_seconds",
+            "Event-loop lag (a short sleep's overshoot): loop=main (watches, reconciles, the scheduler) "
+            "or loop=probe (the probe's own loop, watched while probes run), seconds.",
+            ["loop"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=registry,
+        )
+        self.gc_pause = Histogram(
+            "servedmodel_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, which stop every thread of the operator "
+            "(the probe's loop included), by generation, seconds.",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.stalled_samples = Counter(
+            "servedmodel_probe_stalled_samples",
+            "Probe streams read while the probe's own loop was stalled (figures not published).",
+            registry=registry,
+        )
+        self.lateness = Histogram(
+            "servedmodel_probe_start_lateness_seconds",
+            "How long a due probe cycle waited for a concurrency slot, seconds.",
+            buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=registry,
+        )
+
+        self.pod_probes = Counter(
+            "servedmodel_probe_pod",
+            "Probes of single engine pods, by reason (Serving, or why the pod failed).",
+            [*labels, "reason"],
+            registry=registry,
+        )
+        self.pod_transitions = Counter(
+            "servedmodel_probe_pod_transitions",
+            "Engine pods whose Serving changed, by new status and reason.",
+            [*labels, "serving", "reason"],
+            registry=registry,
+        )
+        self.gate_writes = Counter(
+            "servedmodel_probe_readiness_gate_writes",
+            "Readiness-gate condition writes on engine pods (pods/status), by status.",
+            [*labels, "status"],
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "servedmodel_probe_engine_stalled_pods",
+            "Engine pods whose last probe found the engine stalled (EngineStalled).",
+            labels,
+            registry=registry,
+        )
+        self.kv_pressure = Gauge(
+            "servedmodel_probe_kv_cache_pressure_pods",
+            "Engine pods whose last probe found KV cache pressure with preemptions rising.",
+            labels,
+            registry=registry,
+        )
+
+    def record(self, namespace: str, name: str, out: ProbeOutcome) -> None:
+        self.cycles.labels(namespace, name, "success" if out.ok else "failure").inc()
+        self.serving.labels(namespace, name).set(1 if out.ok else 0)
+        if out.failure is not None:
+            self.failures.labels(namespace, name, out.failure.reason).inc()
+            return
+        if out.stall_took_figures:
+            self.stalled_samples.inc()
+        f = publishable_figures(out)  # not a lump, not read by a stalled prober: the engine's figures
+        if f is not None:
+            if f.ttft_ms is not None:
+                self.ttft.labels(namespace, name).observe(f.ttft_ms / 1000)
+            if f.tpot_ms is not None:
+                self.tpot.labels(namespace, name).observe(f.tpot_ms / 1000)
+            if f.e2e_ms is not None:
+                self.e2e.labels(namespace, name).observe(f.e2e_ms / 1000)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted ServedModel's series (every label set that starts with it): no ghosts."""
+        for metric in (
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.serving,
+            self.failures,
+            self.cycles,
+            self.status_writes,
+            self.pod_probes,
+            self.pod_transitions,
+            self.gate_writes,
+            self.stalled,
+            self.kv_pressure,
+            self.ttft_p95,
+        ):
+            # prometheus_client lists a metric's children only in this private mapping.
+            for labels in list(metric._metrics):
+                if labels[:2] == (namespace, name):
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*labels)
