@@ -105,6 +105,43 @@ async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_tt
     assert "Python's garbage collector, generation 2" in (st.message or ""), st.message
 
 
+async def test_a_collection_on_a_loop_nobody_watches_is_named_too(slow_sim: SimulatorProcess) -> None:
+    """The one-shot CLI and a test probe on a plain loop, with no ProbeLoop watch: a collection over
+    PROBE_STALL_S while the tokens come is still the prober's stall (it stops every thread), found from the
+    collector's own callbacks, which run_probe installs."""
+    GC_WATCH.uninstall()
+    spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
+    garbage = [[i] for i in range(GARBAGE)]
+    target = resolve_external(slow_sim.base_url)
+
+    def collect() -> float:
+        t0 = time.monotonic()
+        gc.collect()  # on another thread: the probe's loop (this one) waits all the same
+        return time.monotonic() - t0
+
+    async with probe_client(spec) as client:
+        before = await asyncio.to_thread(generated, slow_sim)
+        metrics = PodMetrics(client, target.metrics_urls, "qwen")
+        task = asyncio.create_task(run_probe(client, target, spec, model="qwen", metrics=metrics))
+        for _ in range(2000):
+            if await asyncio.to_thread(generated, slow_sim) - before >= 8:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the probe's request never generated on the simulator")
+        pause_s = await asyncio.to_thread(collect)
+        out = await task
+    del garbage
+    assert pause_s > 2 * PROBE_STALL_S, f"the collection took only {pause_s * 1000:.0f} ms: no stall to find"
+    assert out.failure is None, out.failure
+    assert out.probe_stall_ms is not None
+    assert out.probe_stall_ms >= pause_s * 1000 * 0.5
+    assert (out.probe_stall_first_token, out.probe_stall_decode) == (False, True)
+    assert out.probe_stall_gc is not None
+    assert out.probe_stall_gc[1] == 2
+    assert out.checks["streaming"].result != "Fail", out.checks["streaming"]
+
+
 def test_frozen_objects_are_out_of_every_later_full_collection() -> None:
     """What exists when freeze_heap runs (the operator's imports and first lists) is moved to the
     collector's permanent generation, which no collection walks; what is made later is still collected."""
@@ -117,5 +154,8 @@ def test_frozen_objects_are_out_of_every_later_full_collection() -> None:
         later.append(later)  # a cycle made after the freeze
         assert id(later) in {id(o) for o in gc.get_objects()}
     finally:
-        gc.unfreeze()  # the rest of the session's tests collect as usual
-    assert id(kept[0]) in {id(o) for o in gc.get_objects()}
+        gc.unfreeze()
+    try:
+        assert id(kept[0]) in {id(o) for o in gc.get_objects()}
+    finally:
+        gc.freeze()  # as conftest left it for the rest of the session

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servedmodel.api.probe import ProbeSpec
-from servedmodel.probe.client import PodMetrics, http_timeout, run_probe
+from servedmodel.probe.client import PROBE_LOOP_STALLED, PodMetrics, http_timeout, run_probe
 from servedmodel.probe.endpoints import resolve_external
 from servedmodel.probe.report import build_status
 from vllm_server import VLLMServer
@@ -88,7 +88,14 @@ async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLL
     out, status, scrapes = await probe(server, spec)
     assert out.ok, (out.failure, status.message)
     assert (status.result, status.reason) == ("Success", "Serving")
-    failed = {k: (c.reason, c.message) for k, c in out.checks.items() if c.result != "Pass"}
+    # Every check passes; streaming may instead be skipped when the prober itself was held up while the
+    # tokens came (a garbage collection of this process, ProbeLoopStalled): then it judged nothing of
+    # vLLM's, and says so. A lump vLLM delivered is still a failure here.
+    failed = {
+        k: (c.reason, c.message)
+        for k, c in out.checks.items()
+        if c.result != "Pass" and not (k == "streaming" and c.reason == PROBE_LOOP_STALLED)
+    }
     assert not failed, failed
     assert set(out.checks) >= CHECKS
     assert out.checks["template"].reason == "PromptTokensMatch"

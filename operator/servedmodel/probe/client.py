@@ -43,7 +43,7 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
-from .loop import GC_WATCH, watch_of
+from .loop import GC_WATCH, PROBE_STALL_S, watch_of
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import ClientFigures, Delivery, SSEDecoder, StreamTiming, client_figures, delivery
 
@@ -547,6 +547,7 @@ async def run_probe(
     follows (metrics after, limits, learned stop) within one more spec.timeout; all of it within
     cycle_budget_s. Every message that leaves the outcome is redacted of the API key (and any bearer
     token) and bounded."""
+    GC_WATCH.install()  # idempotent: a collection while the streams are read is the prober's stall
     out = ProbeOutcome(endpoint=target.base_url, started=datetime.now(UTC))
     base = target.base_url
     deadline = reply_deadline_s(spec)
@@ -614,22 +615,31 @@ async def run_probe(
 
 
 def _mark_stall(out: ProbeOutcome, loop: asyncio.AbstractEventLoop) -> None:
-    """The probe_stall_* fields when the loop's watch (a ProbeLoop's) saw a stall while the streams were
-    read. Called after the metrics settled: the watch has woken up from a stall at the stream's very end."""
-    watch = watch_of(loop)
-    if watch is None or not out.timings:
+    """The probe_stall_* fields when the prober was held up while the streams were read: its loop's watch
+    (a ProbeLoop's) saw a stall, or a garbage collection over PROBE_STALL_S ran (it stops every thread, so
+    it counts on any loop: the one-shot CLI's and a test's too). Called after the metrics settled: the
+    watch has woken up from a stall at the stream's very end."""
+    if not out.timings:
         return
+    watch = watch_of(loop)
     start = min(t.sent_ns for t in out.timings)
     end = max(t.done_ns or t.last_event_ns or t.sent_ns for t in out.timings)
-    stalled = watch.stalled_ms(start, end)
+
+    def stalled_ms(a: int, b: int) -> float:
+        by_watch = watch.stalled_ms(a, b) if watch is not None else 0.0
+        gc_pause = GC_WATCH.longest(a, b)
+        by_gc = gc_pause[0] if gc_pause is not None and gc_pause[0] > PROBE_STALL_S * 1000 else 0.0
+        return max(by_watch, by_gc)
+
+    stalled = stalled_ms(start, end)
     if stalled <= 0:
         return
     out.probe_stall_ms = stalled
     for t in out.timings:
         first, last = t.first_token_ns, t.last_token_ns
-        out.probe_stall_first_token |= watch.stalled_ms(t.sent_ns, first if first is not None else end) > 0
+        out.probe_stall_first_token |= stalled_ms(t.sent_ns, first if first is not None else end) > 0
         if first is not None and last is not None and last > first:
-            out.probe_stall_decode |= watch.stalled_ms(first, last) > 0
+            out.probe_stall_decode |= stalled_ms(first, last) > 0
     out.probe_stall_gc = GC_WATCH.longest(start, end)
 
 
