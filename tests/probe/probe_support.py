@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,6 +21,19 @@ def reset_faults(sim: SimulatorProcess) -> None:
     # {"reset": true} leaves a swapped chat template in place; putting the default back is explicit
     set_faults(sim, reset=True)
     set_faults(sim, chat_template=None)
+
+
+@contextlib.contextmanager
+def engine_steps(sim: SimulatorProcess, step_ms: float) -> Iterator[None]:
+    """The simulator's engine steps at `step_ms` inside the block, as it was after. A lump test's decode
+    slow enough (16 tokens of 25 ms: ~375 ms) that no hold-up of a busy machine's test loop accounts for
+    the lump (probe/sse.lump_explained)."""
+    before = httpx.get(f"{sim.base_url}/admin/config", timeout=5).json()["step_base_ms"]
+    httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": step_ms}, timeout=5).raise_for_status()
+    try:
+        yield
+    finally:
+        httpx.post(f"{sim.base_url}/admin/config", json={"step_base_ms": before}, timeout=5)
 
 
 class PrometheusServer(Prometheus):

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from probe_support import PrometheusServer, set_faults
+from probe_support import PrometheusServer, engine_steps, set_faults
 
 from loopback import SIM_ARGS
 from servedmodel.api.probe import ProbeSpec
@@ -54,7 +54,11 @@ async def test_healthy_engine_passes_every_check(faults: SimulatorProcess) -> No
     checks = checks_of(out)
     # a starved test process may really read the stream in lumps: the streaming verdict is the
     # machine's, not the simulator's (test_coalesced_stream... stages a lump for certain)
-    assert checks.pop("streaming") in (("Pass", "TokensStreamed"), ("Fail", "CoalescedStream"))
+    assert checks.pop("streaming") in (
+        ("Pass", "TokensStreamed"),
+        ("Fail", "CoalescedStream"),
+        ("Skipped", "ProbeLoopStalled"),
+    )
     assert checks == {
         "limits": ("Pass", "OversizedPromptRejected"),
         "template": ("Pass", "PromptTokensMatch"),
@@ -266,10 +270,12 @@ async def test_stop_learned_from_the_answer_when_the_model_never_says_it(faults:
 
 
 async def test_coalesced_stream_is_flagged_and_not_written_as_latency(faults: SimulatorProcess) -> None:
-    """The whole stream held back and delivered in one lump: no TPOT of 0, no TTFT = e2e in status."""
+    """The whole stream held back and delivered in one lump: no TPOT of 0, no TTFT = e2e in status. Steps
+    of 25 ms: no hold-up of this test's own loop accounts for a lump of ~375 ms of decode."""
     set_faults(faults, coalesce=True)
     spec = ProbeSpec(max_tokens=16)
-    out = await probe(faults.base_url, maxTokens=16)
+    with engine_steps(faults, 25):
+        out = await probe(faults.base_url, maxTokens=16)
     assert out.failure is None
     assert checks_of(out)["streaming"] == ("Fail", "CoalescedStream")
     assert out.delivery is not None

@@ -104,7 +104,12 @@ def blocked_main_loop(burst_s: float, gap_s: float) -> Iterator[dict[str, int]]:
 
 
 def stalled(patch: dict[str, Any]) -> bool:
-    return "probe's own loop was stalled" in str(patch["probe"].get("message"))
+    """A sample the probe's own loop could not read on time: stalled, or its lump the hold-ups' doing."""
+    streaming = patch["probe"].get("checks", {}).get("streaming", {})
+    return (
+        "probe's own loop was stalled" in str(patch["probe"].get("message"))
+        or streaming.get("reason") == "ProbeLoopStalled"
+    )
 
 
 def test_the_probes_clock_ignores_a_blocked_main_loop(faults: SimulatorProcess) -> None:

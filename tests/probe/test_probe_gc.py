@@ -24,9 +24,26 @@ from servedmodel.probe.report import build_status
 from servedmodel.sim.process import SimulatorProcess
 
 STEP_MS = 25
-# Enough tracked containers that one full collection walks well past the probe loop's stall threshold
-# (~1 µs each, ~0.5 s in all on a 2-core machine; measured before the collection, never assumed).
+# Tracked containers enough that one full collection walks well past the probe loop's stall threshold: a
+# collection per object takes 60 ns on a quiet machine, 1 µs on a busy one, so the heap is grown until a
+# measured collection takes PAUSE_WANTED_S (at most GARBAGE_MAX objects).
 GARBAGE = 1_500_000
+GARBAGE_MAX = 12_000_000
+PAUSE_WANTED_S = 4 * PROBE_STALL_S
+
+
+def garbage() -> list[list[int]]:
+    """Unfrozen tracked objects (the collector walks every one) that a full collection takes
+    PAUSE_WANTED_S or more over, measured here."""
+    heap: list[list[int]] = []
+    n = GARBAGE
+    while True:
+        heap.extend([i] for i in range(n - len(heap)))
+        t0 = time.monotonic()
+        gc.collect()
+        if time.monotonic() - t0 >= PAUSE_WANTED_S or n >= GARBAGE_MAX:
+            return heap
+        n *= 2
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +86,7 @@ async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_tt
     slow_sim: SimulatorProcess, gc_watched: None
 ) -> None:
     spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
-    garbage = [[i] for i in range(GARBAGE)]  # tracked, unfrozen: the collector walks every one
+    heap = garbage()
     loop = ProbeLoop()
     loop.start()
     try:
@@ -89,7 +106,7 @@ async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_tt
         out = await task
     finally:
         await loop.stop()
-    del garbage
+    del heap
     assert pause_s > 2 * PROBE_STALL_S, f"the collection took only {pause_s * 1000:.0f} ms: no stall to find"
     assert out.failure is None, out.failure
     assert out.probe_stall_ms is not None
@@ -111,7 +128,7 @@ async def test_a_collection_on_a_loop_nobody_watches_is_named_too(slow_sim: Simu
     collector's own callbacks, which run_probe installs."""
     GC_WATCH.uninstall()
     spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
-    garbage = [[i] for i in range(GARBAGE)]
+    heap = garbage()
     target = resolve_external(slow_sim.base_url)
 
     def collect() -> float:
@@ -131,7 +148,7 @@ async def test_a_collection_on_a_loop_nobody_watches_is_named_too(slow_sim: Simu
             pytest.fail("the probe's request never generated on the simulator")
         pause_s = await asyncio.to_thread(collect)
         out = await task
-    del garbage
+    del heap
     assert pause_s > 2 * PROBE_STALL_S, f"the collection took only {pause_s * 1000:.0f} ms: no stall to find"
     assert out.failure is None, out.failure
     assert out.probe_stall_ms is not None

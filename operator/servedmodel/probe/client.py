@@ -43,9 +43,17 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
-from .loop import GC_WATCH, PROBE_STALL_S, watch_of
+from .loop import GC_WATCH, PROBE_STALL_S, PROBE_WATCH_PERIOD_S, LoopWatch, watch_of
 from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
-from .sse import ClientFigures, Delivery, SSEDecoder, StreamTiming, client_figures, delivery
+from .sse import (
+    ClientFigures,
+    Delivery,
+    SSEDecoder,
+    StreamTiming,
+    client_figures,
+    delivery,
+    lump_explained,
+)
 
 METRICS_TIMEOUT_S = 5.0
 # After [DONE] the engine may record the request's stats a moment later: re-scrape a few times.
@@ -173,6 +181,9 @@ class ProbeOutcome:
     probe_stall_first_token: bool = False
     probe_stall_decode: bool = False
     probe_stall_gc: tuple[float, int] | None = None
+    # Per stream (as timings): how long the loop was held up in all, stalls or not, between its request
+    # and its last token (ms). Only says whether a lump could be the prober's (sse.lump_explained).
+    probe_held_up_ms: list[float] = field(default_factory=list)
     checks: dict[str, ProbeCheck] = field(default_factory=dict)
     # The chat template's rendering of spec.probe.messages as written (no nonce): "sha256:<16 hex>/<n>"
     # over the token ids, n of them. Taken only when asked (once per engine revision, by the rollout gate).
@@ -187,6 +198,12 @@ class ProbeOutcome:
         """A stall of the probe's own loop overlapped the first token or the decode: some client figures
         are the prober's (publishable_figures leaves them out)."""
         return self.probe_stall_first_token or self.probe_stall_decode
+
+    @property
+    def lumped_by_prober(self) -> bool:
+        """The stream came in lumps the prober's own hold-ups account for (the streaming check skipped)."""
+        c = self.checks.get("streaming")
+        return c is not None and c.reason == PROBE_LOOP_STALLED
 
     @property
     def timing(self) -> StreamTiming | None:
@@ -548,6 +565,32 @@ async def run_probe(
     cycle_budget_s. Every message that leaves the outcome is redacted of the API key (and any bearer
     token) and bounded."""
     GC_WATCH.install()  # idempotent: a collection while the streams are read is the prober's stall
+    loop = asyncio.get_running_loop()
+    watch = watch_of(loop)
+    if watch is not None:
+        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint)
+    # A loop nobody watches (the one-shot CLI, a test driving cycles itself): watch it for this cycle, so
+    # a hold-up there is the prober's as it is on the ProbeLoop.
+    watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S)
+    watching = loop.create_task(watch.run(), name="probe-cycle-watch")
+    try:
+        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint)
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+
+
+async def _run_probe(
+    client: httpx.AsyncClient,
+    target: ProbeTarget,
+    spec: ProbeSpec,
+    watch: LoopWatch,
+    model: str | None,
+    api_key: str | None,
+    metrics: MetricsReader | None,
+    fingerprint: bool,
+) -> ProbeOutcome:
     out = ProbeOutcome(endpoint=target.base_url, started=datetime.now(UTC))
     base = target.base_url
     deadline = reply_deadline_s(spec)
@@ -596,7 +639,7 @@ async def run_probe(
             out.metrics_error, out.metrics_failure = f.message, f
         except TimeoutError:
             out.metrics_error = "metrics after the probe: timed out"
-    _mark_stall(out, loop)
+    _mark_stall(out, watch)
     if out.before is not None and out.after is not None:
         out.window = delta(out.before, out.after)
         done = out.window.counters.get("request_success")
@@ -614,19 +657,19 @@ async def run_probe(
     return out
 
 
-def _mark_stall(out: ProbeOutcome, loop: asyncio.AbstractEventLoop) -> None:
-    """The probe_stall_* fields when the prober was held up while the streams were read: its loop's watch
-    (a ProbeLoop's) saw a stall, or a garbage collection over PROBE_STALL_S ran (it stops every thread, so
-    it counts on any loop: the one-shot CLI's and a test's too). Called after the metrics settled: the
-    watch has woken up from a stall at the stream's very end."""
+def _mark_stall(out: ProbeOutcome, watch: LoopWatch) -> None:
+    """The probe_stall_* fields when the prober was held up while the streams were read: the watch of the
+    loop they were read on saw a stall, or a garbage collection over PROBE_STALL_S ran (it stops every
+    thread, whichever loop the watch is on); and every stream's hold-ups in all (probe_held_up_ms).
+    Called after the metrics settled: the watch has woken up from a stall at the stream's very end."""
     if not out.timings:
         return
-    watch = watch_of(loop)
     start = min(t.sent_ns for t in out.timings)
     end = max(t.done_ns or t.last_event_ns or t.sent_ns for t in out.timings)
+    out.probe_held_up_ms = [watch.held_up_ms(t.sent_ns, t.last_token_ns or end) for t in out.timings]
 
     def stalled_ms(a: int, b: int) -> float:
-        by_watch = watch.stalled_ms(a, b) if watch is not None else 0.0
+        by_watch = watch.stalled_ms(a, b)
         gc_pause = GC_WATCH.longest(a, b)
         by_gc = gc_pause[0] if gc_pause is not None and gc_pause[0] > PROBE_STALL_S * 1000 else 0.0
         return max(by_watch, by_gc)
@@ -782,11 +825,18 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     out.delivery = next((d for d in verdicts if d.coalesced), verdicts[0])
     out.cached_prompt_tokens = _cached_prompt_tokens(out)
     out.checks["streaming"] = check_streaming(out.delivery)
-    if out.stall_took_figures and out.delivery.coalesced:
+    held = out.probe_held_up_ms or [0.0] * len(verdicts)
+    lumps = [(d, h) for d, h in zip(verdicts, held, strict=True) if d.coalesced]
+    if lumps and (out.stall_took_figures or all(lump_explained(d, h) for d, h in lumps)):
+        how = (
+            f"{out.probe_stall_ms:.1f} ms"
+            if out.probe_stall_ms is not None
+            else f"{max(h for _, h in lumps):.1f} ms in all"
+        )
         out.checks["streaming"] = skipped(
             PROBE_LOOP_STALLED,
-            f"the probe's own loop was held up {out.probe_stall_ms:.1f} ms while the stream was read: "
-            "the lumps may be the prober's, not the engine's",
+            f"the probe's own loop was held up {how} while the stream was read "
+            f"({out.delivery.describe()}): the lumps may be the prober's, not the engine's",
         )
     usage_prompt = t.usage.get("prompt_tokens") if t.usage else None
     family = family_of(out.model, out.model_root)

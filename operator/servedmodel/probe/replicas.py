@@ -343,13 +343,17 @@ def replica_conditions(
     were read: server-side apply would drop what this cycle left out), and ProbeUnreliable."""
     out = [*_gauge_conditions(probed, existing, generation, now)]
     unreliable = [r for r in probed if r.operator_side]
-    stalled = [r for r in probed if r.outcome.stall_took_figures]
+    stalled = [r for r in probed if r.outcome.stall_took_figures or r.outcome.lumped_by_prober]
     if unreliable:
         reason = unreliable[0].reason if unreliable[0].reason in OPERATOR_SIDE else PROBE_LOOP_STALLED
         text = "; ".join(f"pod {r.name}: {r.reason}: {r.message}" for r in unreliable)
         out.append(_condition(PROBE_UNRELIABLE, "True", reason, text, existing, generation, now))
     elif stalled:
-        text = "; ".join(f"pod {r.name}: read while the probe's own loop was stalled" for r in stalled)
+        text = "; ".join(
+            f"pod {r.name}: read while the probe's own loop was "
+            + ("stalled" if r.outcome.stall_took_figures else "held up (its stream read in lumps)")
+            for r in stalled
+        )
         out.append(_condition(PROBE_UNRELIABLE, "True", PROBE_LOOP_STALLED, text, existing, generation, now))
     else:
         out.append(_condition(PROBE_UNRELIABLE, "False", "ProbeReliable", "", existing, generation, now))

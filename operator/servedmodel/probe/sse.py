@@ -352,3 +352,19 @@ def delivery(
     elif f.bursts > 0:
         lumped = f.bursts == 1 or f.bursts * LUMP_CHUNKS <= f.token_chunks
     return Delivery(lumped, n, f.token_chunks, f.bursts, f.decode_ms, server_decode_ms, server_tpot_ms)
+
+
+def lump_explained(d: Delivery, held_up_ms: float) -> bool:
+    """Could the reader's own hold-ups (held_up_ms in all, between the request and the last token) have
+    made this lump? With the server's decode time: yes when the client's decode plus the hold-ups reach
+    the share a live stream shows (tokens that came while the reader was held up were read at once, so
+    the hold-up is what the client's decode lost). Without it, any hold-up may have."""
+    if not d.coalesced or held_up_ms <= 0:
+        return False
+    if (
+        d.server_decode_ms is not None
+        and d.server_decode_ms >= LUMP_MIN_SERVER_DECODE_MS
+        and d.client_decode_ms is not None
+    ):
+        return d.client_decode_ms + held_up_ms >= LUMP_SHARE * d.server_decode_ms
+    return True

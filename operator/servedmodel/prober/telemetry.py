@@ -91,7 +91,8 @@ class ProbeMetrics:
         )
         self.stalled_samples = Counter(
             "servedmodel_probe_stalled_samples",
-            "Probe streams read while the probe's own loop was stalled (figures not published).",
+            "Probe streams read while the probe's own loop was stalled, or in lumps its hold-ups account "
+            "for (figures not published).",
             registry=registry,
         )
         self.lateness = Histogram(
@@ -138,7 +139,7 @@ class ProbeMetrics:
         if out.failure is not None:
             self.failures.labels(namespace, name, out.failure.reason).inc()
             return
-        if out.stall_took_figures:
+        if out.stall_took_figures or out.lumped_by_prober:
             self.stalled_samples.inc()
         f = publishable_figures(out)  # not a lump, not read by a stalled prober: the engine's figures
         if f is not None:
