@@ -3,7 +3,7 @@ collection while a stream is read is found by the probe loop's watch, named in t
 the figures it overlapped; freeze_heap keeps what exists at start-up out of every later collection.
 
 A real collection over real garbage, a real ProbeLoop and the simulator over loopback (25 ms engine steps:
-40 tokens of decode take ~1 s, time for a collection to land while they come)."""
+160 tokens of decode take ~4 s, time for a collection to land while they come on a loaded machine)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ from servedmodel.probe.report import build_status
 from servedmodel.sim.process import SimulatorProcess
 
 STEP_MS = 25
+# The collection starts once the engine made FIRST_TOKENS_MADE of MAX_TOKENS: the first token went out
+# (FIRST_TOKENS_MADE - 1) steps before, so the probe has read it, and decode still has ~3.5 s to run. A CI
+# run with 40 tokens (0.8 s left) saw the stream end before its polling of /metrics came back, and the
+# collection then overlapped nothing.
+MAX_TOKENS = 160
+FIRST_TOKENS_MADE = 20
 # Tracked containers enough that one full collection walks well past the probe loop's stall threshold: a
 # collection per object takes 60 ns on a quiet machine, 1 µs on a busy one, so the heap is grown until a
 # measured collection takes PAUSE_WANTED_S (at most GARBAGE_MAX objects).
@@ -85,17 +91,15 @@ def generated(sim: SimulatorProcess) -> float:
 async def test_a_collection_while_the_tokens_come_is_named_and_takes_tpot_not_ttft(
     slow_sim: SimulatorProcess, gc_watched: None
 ) -> None:
-    spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
+    spec = ProbeSpec.model_validate({"maxTokens": MAX_TOKENS, "stop": [], "checkLimits": False})
     heap = garbage()
     loop = ProbeLoop()
     loop.start()
     try:
         before = await asyncio.to_thread(generated, slow_sim)
         task = asyncio.create_task(probe_on(loop, slow_sim.base_url, spec))
-        # Eight of its 40 tokens made: the first went out seven steps (~175 ms) ago, so the probe has read
-        # it, however late the machine ran its thread; decode has ~0.8 s left for the collection to land.
         for _ in range(2000):
-            if await asyncio.to_thread(generated, slow_sim) - before >= 8:
+            if await asyncio.to_thread(generated, slow_sim) - before >= FIRST_TOKENS_MADE:
                 break
             await asyncio.sleep(0.005)
         else:
@@ -127,7 +131,7 @@ async def test_a_collection_on_a_loop_nobody_watches_is_named_too(slow_sim: Simu
     PROBE_STALL_S while the tokens come is still the prober's stall (it stops every thread), found from the
     collector's own callbacks, which run_probe installs."""
     GC_WATCH.uninstall()
-    spec = ProbeSpec.model_validate({"maxTokens": 40, "stop": [], "checkLimits": False})
+    spec = ProbeSpec.model_validate({"maxTokens": MAX_TOKENS, "stop": [], "checkLimits": False})
     heap = garbage()
     target = resolve_external(slow_sim.base_url)
 
@@ -141,7 +145,7 @@ async def test_a_collection_on_a_loop_nobody_watches_is_named_too(slow_sim: Simu
         metrics = PodMetrics(client, target.metrics_urls, "qwen")
         task = asyncio.create_task(run_probe(client, target, spec, model="qwen", metrics=metrics))
         for _ in range(2000):
-            if await asyncio.to_thread(generated, slow_sim) - before >= 8:
+            if await asyncio.to_thread(generated, slow_sim) - before >= FIRST_TOKENS_MADE:
                 break
             await asyncio.sleep(0.005)
         else:
