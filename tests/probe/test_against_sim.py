@@ -25,6 +25,7 @@ from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import errors
 from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
+from servedmodel.probe.metrics import METRICS_QUERY, parse_metrics, wanted_sample_names
 from servedmodel.probe.prometheus import PrometheusMetrics, selector
 from servedmodel.probe.report import build_status, probe_conditions
 from servedmodel.sim.process import SimulatorProcess
@@ -487,3 +488,15 @@ async def test_prometheus_source(faults: SimulatorProcess, prometheus: Prometheu
         with pytest.raises(errors.ProbeFailure) as failed:
             await other.snapshot()
     assert failed.value.reason == errors.NO_READY_ENDPOINTS
+
+
+def test_the_simulator_answers_the_name_query_with_those_samples_alone(sim: SimulatorProcess) -> None:
+    """As prometheus_client's exposition apps (vLLM's /metrics) do: ?name[]=… returns only the samples
+    asked for, and the snapshot read from it equals the one read from the whole scrape."""
+    whole = httpx.get(f"{sim.base_url}/metrics", timeout=5).text
+    only = httpx.get(f"{sim.base_url}/metrics{METRICS_QUERY}", timeout=5).text
+    samples = [line for line in only.splitlines() if line and not line.startswith("#")]
+    assert samples
+    assert {line.split("{")[0].split(" ")[0] for line in samples} <= set(wanted_sample_names())
+    assert len(only) * 5 < len(whole)
+    assert parse_metrics(only, "qwen") == parse_metrics(whole, "qwen")

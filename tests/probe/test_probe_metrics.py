@@ -3,10 +3,20 @@ labels and buckets), summing pods, window deltas, and metric renames across vers
 
 from __future__ import annotations
 
+from urllib.parse import parse_qs
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from servedmodel.probe.metrics import delta, parse_metrics
+from servedmodel.probe.metrics import (
+    METRICS_QUERY,
+    MetricsSnapshot,
+    delta,
+    parse_metrics,
+    snapshot_from_values,
+    wanted_sample_names,
+)
 
 PHASE_BUCKETS = [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80]
@@ -142,3 +152,75 @@ def test_pods_add_up_and_kv_cache_takes_the_fullest() -> None:
     assert snap.counters["prompt_tokens"] == 30.0
     assert snap.histograms["queue"].count == 2
     assert snap.histograms["queue"].sum == pytest.approx(0.4)
+
+
+def reference(text: str, model: str | None) -> MetricsSnapshot:
+    """The same snapshot through prometheus_client's own parser: what parse_metrics must agree with."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            label = s.labels.get("model_name")
+            if s.name.startswith("vllm:") and (model is None or label is None or label == model):
+                values[s.name] = values.get(s.name, 0.0) + float(s.value)
+    return snapshot_from_values(values)
+
+
+@pytest.mark.parametrize("model", ["qwen", "other", None])
+def test_the_parser_agrees_with_prometheus_clients_on_a_whole_scrape(model: str | None) -> None:
+    eng = FakeEngine()
+    eng.finish("qwen", prompt=30, gen=5, queue=0.01, prefill=0.02, decode=0.2)
+    eng.finish("other", prompt=100, gen=50, queue=1, prefill=1, decode=1)
+    eng.scheduler("qwen", 3, 1, 0.25)
+    eng.scheduler("other", 1, 0, 0.5)
+    text = eng.text()
+    assert parse_metrics(text, model) == reference(text, model)
+
+
+def test_label_values_with_braces_quotes_and_escapes_timestamps_and_special_values() -> None:
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running running",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{model_name="a}b",engine="0"} 3',
+            'vllm:num_requests_running{model_name="q\\"x\\\\y",engine="0"} 5 1700000000000',
+            'vllm:num_requests_running{engine="0",model_name="qwen"} 7',
+            'vllm:num_requests_waiting{engine="0", model_name="qwen"} +Inf',
+            "vllm:kv_cache_usage_perc 0.5",
+            'vllm:request_success_total{model_name="not_qwen",engine="0"} 100',
+            'vllm:request_success_total{xmodel_name="qwen",model_name="qwen"} 2',
+            "",
+        ]
+    )
+    assert parse_metrics(text, 'q"x\\y').gauges["running"] == 5.0
+    assert parse_metrics(text, "a}b").gauges["running"] == 3.0
+    snap = parse_metrics(text, "qwen")
+    assert snap == reference(text, "qwen")
+    assert snap.gauges == {"running": 7.0, "waiting": float("inf"), "kv_cache_usage": 0.5}
+    assert snap.counters == {"request_success": 2.0}
+
+
+def test_an_unparsable_wanted_line_is_an_error_and_an_unwanted_one_is_ignored() -> None:
+    assert parse_metrics('vllm:cache_config_info{x="1" 2\nvllm:num_requests_running 1\n').gauges == {
+        "running": 1.0
+    }
+    with pytest.raises(ValueError, match="vllm:num_requests_running"):
+        parse_metrics("vllm:num_requests_running{model_name=qwen} 1\n", "qwen")
+    with pytest.raises(ValueError, match="not a number"):
+        parse_metrics("vllm:num_requests_running one\n", "qwen")
+
+
+def test_the_query_names_every_wanted_sample_and_a_registry_answers_it_with_those_alone() -> None:
+    """prometheus_client's exposition (vLLM's /metrics is its ASGI app) answers ?name[]=… with only those
+    samples: the buckets, _created series and other families stay on the server."""
+    eng = FakeEngine()
+    eng.finish("qwen", prompt=30, gen=5, queue=0.01, prefill=0.02, decode=0.2)
+    eng.scheduler("qwen", 3, 1, 0.25)
+    names = parse_qs(METRICS_QUERY.removeprefix("?"))["name[]"]
+    assert sorted(names) == sorted(wanted_sample_names())
+    whole = eng.text()
+    only = generate_latest(eng.reg.restricted_registry(names)).decode()
+    samples = [line for line in only.splitlines() if line and not line.startswith("#")]
+    assert samples
+    assert all(line.split("{")[0].split(" ")[0] in names for line in samples)
+    assert len(only) < len(whole) / 4
+    assert parse_metrics(only, "qwen") == parse_metrics(whole, "qwen")

@@ -1,21 +1,24 @@
 """Servers the simulator does not imitate, as real aiohttp servers on loopback: an OpenAI-compatible
 server that does not enforce max_model_len, one whose /tokenize disagrees with its usage, one that drops
-usage, one that answers /v1/models with HTML, and one that answers a streamed request with plain JSON."""
+usage, one that answers /v1/models with HTML, one that answers a streamed request with plain JSON, and
+/metrics servers that honour, ignore or misread the probe's name[] query."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import errors
-from servedmodel.probe.client import ProbeOutcome, probe_client, run_probe
+from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
+from servedmodel.probe.metrics import parse_metrics
 
 CHATML_STRS = ["<|im_start|>", "user", "Ċ", "x", "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]
 
@@ -28,6 +31,20 @@ class Odd:
     tokenize_count: int = 20
     usage: bool = True
     json_instead_of_stream: bool = False
+    # /metrics and name[]: "honoured" (prometheus_client's apps), "ignored" (everything, whatever is
+    # asked), "nothing" (an answer without a sample, as an old multiprocess registry gives)
+    metrics_query: str = "honoured"
+    metrics_queries: list[str] = field(default_factory=list)
+
+
+def exposition() -> CollectorRegistry:
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    Gauge("vllm:num_requests_running", "r", labels, registry=reg).labels("qwen", "0").set(2)
+    Gauge("vllm:num_requests_waiting", "w", labels, registry=reg).labels("qwen", "0").set(1)
+    Counter("vllm:request_success", "s", labels, registry=reg).labels("qwen", "0").inc(7)
+    Counter("vllm:iteration_tokens", "unread", labels, registry=reg).labels("qwen", "0").inc(9)
+    return reg
 
 
 def app(odd: Odd) -> web.Application:
@@ -69,9 +86,21 @@ def app(odd: Odd) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    registry = exposition()
+
+    async def metrics(request: web.Request) -> web.Response:
+        names = request.query.getall("name[]", [])
+        odd.metrics_queries.append(request.query_string)
+        if names and odd.metrics_query == "nothing":
+            return web.Response(text="# nothing here\n")
+        if names and odd.metrics_query == "honoured":
+            return web.Response(body=generate_latest(registry.restricted_registry(names)))
+        return web.Response(body=generate_latest(registry))
+
     a = web.Application()
     a.add_routes(
         [
+            web.get("/metrics", metrics),
             web.get("/health", health),
             web.get("/v1/models", models),
             web.post("/tokenize", tokenize),
@@ -137,3 +166,24 @@ async def test_odd_answers_fail_the_probe(odd_server: tuple[str, Odd], oddity: s
     out = await probe(url)
     assert out.failure is not None
     assert out.failure.reason == reason
+
+
+@pytest.mark.parametrize(("query", "scrapes"), [("honoured", 1), ("ignored", 1), ("nothing", 2)])
+async def test_metrics_are_read_whether_name_query_is_honoured_or_not(
+    odd_server: tuple[str, Odd], query: str, scrapes: int
+) -> None:
+    """The probe asks /metrics for its samples alone (name[]); a server that ignores the query sends
+    everything and the same snapshot comes out of it; one that answers it with nothing is asked again
+    without the query."""
+    url, odd = odd_server
+    odd.metrics_query = query
+    whole = parse_metrics(generate_latest(exposition()).decode(), "qwen")
+    async with probe_client(ProbeSpec()) as client:
+        snap = await PodMetrics(client, [url], "qwen").snapshot()
+    assert snap == whole
+    assert snap.gauges == {"running": 2.0, "waiting": 1.0}
+    assert snap.counters == {"request_success": 7.0}
+    assert len(odd.metrics_queries) == scrapes
+    assert "name[]=vllm:num_requests_running&" in odd.metrics_queries[0]
+    if scrapes == 2:
+        assert odd.metrics_queries[1] == ""

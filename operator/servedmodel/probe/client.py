@@ -44,7 +44,7 @@ from .checks import (
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
 from .loop import GC_WATCH, PROBE_STALL_S, PROBE_WATCH_PERIOD_S, LoopWatch, watch_of
-from .metrics import MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
+from .metrics import METRICS_QUERY, MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import (
     ClientFigures,
     Delivery,
@@ -108,11 +108,20 @@ class PodMetrics:
         self.client, self.urls, self.model = client, list(urls), model
 
     async def _one(self, url: str) -> MetricsSnapshot:
+        snap = await self._scrape(f"{url}/metrics{METRICS_QUERY}")
+        if snap.counters or snap.histograms or snap.gauges:
+            return snap
+        # Nothing the probe reads came back: a server that misreads name[] (an old prometheus_client's
+        # multiprocess registry answers it with nothing) or an engine that exposes none of it. Once more
+        # without the query, which says which.
+        return await self._scrape(f"{url}/metrics")
+
+    async def _scrape(self, url: str) -> MetricsSnapshot:
         step = "GET /metrics"
         r = await bounds.request(
             self.client,
             "GET",
-            f"{url}/metrics",
+            url,
             step,
             cap=bounds.METRICS_MAX_BYTES,
             deadline_s=METRICS_TIMEOUT_S,

@@ -7,6 +7,7 @@ at scrape time; request histograms are observed when a request finishes, like vL
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -374,5 +375,6 @@ class SimMetrics:
         self.http_request_size.labels(handler).observe(req_bytes)
         self.http_response_size.labels(handler).observe(resp_bytes)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The exposition; with `names`, only the samples of those names (prometheus_client's name[])."""
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)

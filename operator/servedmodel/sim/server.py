@@ -245,12 +245,13 @@ class Simulator:
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": VLLM_VERSION})
 
-    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
         if self.engine.frozen:
             # Stalled: no step updates the queue gauges, yet the scheduler's queues are what they are.
             self.metrics.running.set(len(self.engine.running))
             self.metrics.waiting.set(len(self.engine.waiting))
-        resp = web.Response(body=self.metrics.render())
+        # ?name[]=…: only those samples, as prometheus_client's exposition apps (vLLM's /metrics) answer.
+        resp = web.Response(body=self.metrics.render(request.query.getall("name[]", [])))
         resp.headers["Content-Type"] = CONTENT_TYPE
         return resp
 
