@@ -15,6 +15,7 @@ from typing import Any
 
 from servedmodel.sim.engine import EngineConfig
 from servedmodel.sim.faults import Faults
+from servedmodel.sim.lora import MAX_LORA_RANKS, LoraConfig, lora_module, runtime_updating_allowed
 from servedmodel.sim.server import SimSettings, serve
 
 log = logging.getLogger("servedmodel.sim")
@@ -91,6 +92,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    lora = parser.add_argument_group("LoRA (vLLM's LoRAConfig flags)")
+    lora.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve LoRA adapters (loading at run time also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch")
+    lora.add_argument("--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS, help="largest rank")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached (>= --max-loras)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=lora_module,
+        default=[],
+        help="adapters loaded at start: name=path or JSON {name, path, base_model_name}",
+    )
     for flag, takes_value in IGNORED_FLAGS:
         if takes_value:
             parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
@@ -167,6 +186,11 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         enable_prompt_tokens_details=bool(args.enable_prompt_tokens_details),
         startup_delay_s=args.sim_startup_delay,
         faults=faults,
+        lora=(
+            LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
+        ),
+        lora_modules=list(args.lora_modules),
+        runtime_lora_updating=runtime_updating_allowed(),
     )
 
 

@@ -95,6 +95,7 @@ class Request:
         "ignore_eos",
         "ignore_stop",
         "last_token",
+        "lora_name",
         "max_stop_len",
         "max_tokens",
         "max_tokens_param",
@@ -140,8 +141,10 @@ class Request:
         arrival: float = 0.0,
         received: float | None = None,
         notify: Callable[[], None] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name  # the LoRA adapter it runs with (None: the base model)
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.max_tokens_param: int | None = None  # what the client asked for, if anything
@@ -384,6 +387,10 @@ class Engine:
         # faults.engine_stalled: nothing is scheduled or finished, not even an abort, until thawed.
         self.frozen = False
         self.deferred_aborts: list[tuple[str, str]] = []
+        # --max-loras with --enable-lora (None: no LoRA): distinct adapters one step may run. A waiting
+        # request whose adapter would exceed it is skipped ("deferred", as vLLM's scheduler says).
+        self.max_loras: int | None = None
+        self.deferred: set[str] = set()
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -456,8 +463,19 @@ class Engine:
                 prefill_tokens += num_new
             i += 1
 
-        while self.waiting and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        loras = {r.lora_name for r in self.running if r.lora_name} if self.max_loras is not None else set()
+        w = 0  # the first waiting request not skipped for the LoRA budget
+        while w < len(self.waiting) and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[w]
+            if (
+                req.lora_name is not None
+                and self.max_loras is not None
+                and req.lora_name not in loras
+                and len(loras) >= self.max_loras
+            ):
+                self.deferred.add(req.request_id)
+                w += 1
+                continue
             if req.queued > now:
                 # Arrived after this step began (the loop plans steps back to back on the schedule, so a
                 # step's start can be earlier than the real time): it joins the next step, as on a GPU.
@@ -481,7 +499,10 @@ class Engine:
                     kv.free(req)
                     req.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            self.deferred.discard(req.request_id)
+            if req.lora_name is not None:
+                loras.add(req.lora_name)
             req.state = RUNNING
             self.running.append(req)
             if req.first_scheduled is None:
@@ -582,6 +603,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None, now: float | None) -> None:
         self.kv.free(req)
+        self.deferred.discard(req.request_id)
         req.state = FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

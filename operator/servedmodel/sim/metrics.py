@@ -75,7 +75,9 @@ def observe_many(histogram: Histogram, value: float, count: int) -> None:
 class SimMetrics:
     """The registry and every series; implements the engine's Observer."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache_config: dict[str, str]) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, cache_config: dict[str, str], max_loras: int | None = None
+    ) -> None:
         self.registry = reg = CollectorRegistry()
         # prometheus_client's default collectors, as on vLLM's global registry (this process's figures)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
@@ -105,7 +107,7 @@ class SimMetrics:
             registry=reg,
         )
         self.waiting_capacity = by_reason.labels(*lv, "capacity")
-        by_reason.labels(*lv, "deferred").set(0)
+        self.waiting_deferred = by_reason.labels(*lv, "deferred")
         sleep = Gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
@@ -293,6 +295,17 @@ class SimMetrics:
             ["handler"],
             registry=reg,
         )
+        # Only with --enable-lora; no model_name or engine label. Each step sets the series of that step's
+        # adapters to the current time; earlier label sets stay, as in vLLM's registry.
+        self.lora_info: Gauge | None = None
+        self.max_loras = str(max_loras)
+        if max_loras is not None:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=reg,
+            )
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
@@ -303,8 +316,9 @@ class SimMetrics:
     ) -> None:
         snap_running = len(engine.running)
         self.running.set(snap_running)
-        self.waiting.set(len(engine.waiting))
-        self.waiting_capacity.set(len(engine.waiting))
+        self.set_waiting(engine)
+        if self.lora_info is not None:
+            self.observe_loras(engine)
         self.kv_usage.set(engine.kv.usage)
         if engine.num_preemptions != self._last_preemptions:
             self.preemptions.inc(engine.num_preemptions - self._last_preemptions)
@@ -342,10 +356,24 @@ class SimMetrics:
         for gap, count in gaps.items():
             observe_many(self.h_itl, gap, count)
 
+    def set_waiting(self, engine: Engine) -> None:
+        self.waiting.set(len(engine.waiting))
+        self.waiting_capacity.set(len(engine.waiting) - len(engine.deferred))
+        self.waiting_deferred.set(len(engine.deferred))
+
+    def observe_loras(self, engine: Engine) -> None:
+        """vLLM's LoRARequestStates: the adapters with running and with waiting requests, in order."""
+        running: dict[str, None] = {}
+        waiting: dict[str, None] = {}
+        for req in engine.requests.values():
+            if req.lora_name is not None:
+                (running if req.state == "running" else waiting)[req.lora_name] = None
+        if self.lora_info is not None:
+            self.lora_info.labels(self.max_loras, ",".join(waiting), ",".join(running)).set_to_current_time()
+
     def on_finished(self, engine: Engine, request: Request) -> None:
         self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting))
-        self.waiting_capacity.set(len(engine.waiting))
+        self.set_waiting(engine)
         self.kv_usage.set(engine.kv.usage)
         reason = request.finish_reason or "abort"
         self.success[reason if reason in self.success else "abort"].inc()

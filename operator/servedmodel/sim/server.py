@@ -25,6 +25,7 @@ from aiohttp import web
 
 from servedmodel.sim.engine import Engine, EngineConfig, EngineLoop, Request, eos_point
 from servedmodel.sim.faults import Faults
+from servedmodel.sim.lora import AdapterError, Adapters, LoraConfig, LoraModule
 from servedmodel.sim.metrics import CONTENT_TYPE, SimMetrics
 from servedmodel.sim.templates import ChatTemplate, ChatTemplateError, default_template_name, last_user_text
 from servedmodel.sim.tokenizer import Tokenizer, load_tokenizer
@@ -56,6 +57,10 @@ class SimSettings:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
     startup_delay_s: float = 0.0
     faults: Faults = dataclasses.field(default_factory=Faults)
+    lora: LoraConfig | None = None  # --enable-lora (--max-loras, --max-lora-rank, --max-cpu-loras)
+    lora_modules: list[LoraModule] = dataclasses.field(default_factory=list)  # loaded at start-up
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    runtime_lora_updating: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -156,8 +161,18 @@ class Simulator:
             "use_replayssm": "False",
             "user_specified_block_size": "False",
         }
-        self.metrics = SimMetrics(self.model_name, cfg.max_model_len, cache_info)
+        lora = settings.lora
+        self.metrics = SimMetrics(
+            self.model_name, cfg.max_model_len, cache_info, lora.max_loras if lora is not None else None
+        )
         self.engine = Engine(cfg, self.tokenizer, self.metrics)
+        self.engine.max_loras = lora.max_loras if lora is not None else None
+        self.adapters = Adapters(lora, settings.names)
+        for module in settings.lora_modules:  # vLLM's init_static_loras: one that fails stops the start
+            try:
+                self.adapters.load(module.name, module.path, base_model_name=module.base_model_name)
+            except AdapterError as exc:
+                raise ValueError(exc.message) from exc
         self.loop = EngineLoop(self.engine, manage_gc=manage_gc)
         self.faults = settings.faults
         self.rng = random.Random(cfg.seed + 1)
@@ -182,6 +197,9 @@ class Simulator:
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
+        if self.settings.runtime_lora_updating:
+            r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_get("/debug/requests", self.debug_requests)
         r.add_get("/debug/engine", self.debug_engine)
         r.add_post("/debug/reset", self.debug_reset)
@@ -255,36 +273,67 @@ class Simulator:
         resp.headers["Content-Type"] = CONTENT_TYPE
         return resp
 
+    def _model_card(
+        self, name: str, root: str, parent: str | None, max_model_len: int | None
+    ) -> dict[str, Any]:
+        perm = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": self.created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [perm],
+        }
+
     async def models(self, _: web.Request) -> web.Response:
-        data = []
-        for name in self.settings.names:
-            perm = {
-                "id": f"modelperm-{uuid.uuid4().hex}",
-                "object": "model_permission",
-                "created": self.created,
-                "allow_create_engine": False,
-                "allow_sampling": True,
-                "allow_logprobs": True,
-                "allow_search_indices": False,
-                "allow_view": True,
-                "allow_fine_tuning": False,
-                "organization": "*",
-                "group": None,
-                "is_blocking": False,
-            }
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "vllm",
-                    "root": self.settings.model,
-                    "parent": None,
-                    "max_model_len": self.settings.engine.max_model_len,
-                    "permission": [perm],
-                }
-            )
+        max_len = self.settings.engine.max_model_len
+        data = [self._model_card(name, self.settings.model, None, max_len) for name in self.settings.names]
+        # The adapters after the base names, in load order: root = the path, parent = the base name.
+        adapters = self.adapters
+        data += [self._model_card(a.name, a.path, adapters.parent(a), None) for a in adapters.loaded.values()]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._lora_body(request, ("lora_name", "lora_path"))
+        try:
+            text = self.adapters.load(
+                str(body["lora_name"]), str(body["lora_path"]), load_inplace=bool(body.get("load_inplace"))
+            )
+        except AdapterError as exc:
+            raise ApiError(exc.status, exc.message, exc.err_type) from exc
+        return web.Response(status=200, text=text, content_type="application/octet-stream")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._lora_body(request, ("lora_name",))
+        try:
+            text = self.adapters.unload(str(body["lora_name"]))
+        except AdapterError as exc:
+            raise ApiError(exc.status, exc.message, exc.err_type) from exc
+        return web.Response(status=200, text=text, content_type="application/octet-stream")
+
+    async def _lora_body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
+        """The request model's fields: a missing or non-string one is a validation error (400)."""
+        body = await self._json(request)
+        for field in required:
+            if not isinstance(body.get(field), str):
+                raise ApiError(400, f"1 validation error: body.{field}: Field required", param=field)
+        return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -392,7 +441,7 @@ class Simulator:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model and model not in self.settings.names:
+        if model and model not in self.settings.names and model not in self.adapters.loaded:
             names = ", ".join(self.settings.names)
             raise ApiError(
                 404,
@@ -529,6 +578,8 @@ class Simulator:
             arrival=arrival,
         )
         req.max_tokens_param = max_tokens_param
+        if body.get("model") in self.adapters.loaded:
+            req.lora_name = body["model"]
         return req
 
     # -- generation ----------------------------------------------------------------------------------
