@@ -140,6 +140,7 @@ def test_printer_columns(control_plane: controlplane.ControlPlane, namespace: st
         "TPOT",
         "RUNNING",
         "WAITING",
+        "ADAPTERS",
         "AGE",
     ]
     row = lines[1].split()

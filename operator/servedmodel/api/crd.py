@@ -65,6 +65,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Requests waiting in the queue at probe time.",
     },
     {
+        "name": "Adapters",
+        "type": "string",
+        "jsonPath": ".status.probe.adaptersServing",
+        "description": "LoRA adapters whose own probe served / adapters declared (spec.adapters).",
+    },
+    {
         "name": "KV",
         "type": "number",
         "jsonPath": ".status.probe.scheduler.kvCacheUsage",

@@ -9,6 +9,9 @@ turns service links off, so no other Service's name can do the same.
 from __future__ import annotations
 
 ENGINE_PORT = 8000
+# The weight-cache volume (a PVC or an emptyDir) in the engine container: HF_HOME is under it, and
+# spec.adapters' cache:// sources are folders on it.
+CACHE_MOUNT = "/cache"
 ENGINE_PORT_NAME = "http"
 MANAGED_BY = "servedmodel-operator"
 PART_OF = "servedmodel"

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .adapters import AdapterProbe
 from .base import ApiModel
 
 DEFAULT_PROBE_PROMPT = (
@@ -536,6 +537,17 @@ class ProbeStatus(ApiModel):
         default=None,
         max_length=32,
         description="Serving replicas / probed replicas, e.g. 2/3 (managed mode), for the Serving column.",
+    )
+    adapters: list[AdapterProbe] | None = Field(
+        default=None,
+        max_length=64,
+        description="Each declared LoRA adapter (spec.adapters): the pods it is loaded on and its own probe.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    adapters_serving: str | None = Field(
+        default=None,
+        max_length=32,
+        description="Adapters whose own probe served / adapters declared, e.g. 2/3, for the Adapters column.",
     )
     pods: list[PodProbe] | None = Field(
         default=None,

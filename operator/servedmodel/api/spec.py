@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from .adapters import MAX_ADAPTERS, AdapterSpec
 from .autoscaling import ServedModelAutoscaling
 from .base import ApiModel, cel
 from .probe import ProbeSpec, RolloutSpec
@@ -509,6 +510,19 @@ class ServedModelSpec(ApiModel):
                     ".replicas",
                 ),
                 cel(
+                    "!has(self.endpoint) || !has(self.adapters) || size(self.adapters) == 0",
+                    "endpoint (external mode) deploys nothing: adapters must not be set (the operator loads "
+                    "adapters only into the engines it starts)",
+                    ".adapters",
+                ),
+                cel(
+                    "!has(self.adapters) || !has(self.servedModelName) || "
+                    "self.adapters.all(a, a.name != self.servedModelName)",
+                    "adapters[].name must differ from servedModelName: vLLM refuses an adapter named as "
+                    "its base model",
+                    ".adapters",
+                ),
+                cel(
                     "!has(self.revision) || !self.model.startsWith('pvc://')",
                     "revision applies to Hugging Face models, not pvc:// models",
                     ".revision",
@@ -608,6 +622,16 @@ class ServedModelSpec(ApiModel):
         default_factory=RolloutSpec,
         description="New engine revisions through the readiness gate: the deadline, automatic rollback.",
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description=(
+            "LoRA adapters served beside the base model, each under its own name: the engine starts with "
+            "--enable-lora, the operator loads them on every replica at run time and probes each one "
+            "(status.probe.adapters)."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
     @model_validator(mode="after")
     def _cross_fields(self) -> ServedModelSpec:
@@ -623,6 +647,16 @@ class ServedModelSpec(ApiModel):
             raise ValueError("engine.cpuKVCacheSpaceGiB applies to CPU serving only (resources.gpus: 0)")
         if self.revision is not None and self.model.startswith("pvc://"):
             raise ValueError("revision applies to Hugging Face models, not pvc:// models")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"adapters[].name must be unique: {', '.join(twice)} more than once")
+        if self.resolved_served_model_name in names:
+            raise ValueError(
+                f"adapters[].name must differ from the served model name {self.resolved_served_model_name}"
+            )
+        if self.endpoint is not None and self.adapters:
+            raise ValueError("endpoint (external mode) deploys nothing: adapters must not be set")
         if self.endpoint is not None and self.replicas != 1:
             raise ValueError(
                 "endpoint (external mode) deploys nothing: replicas must not be set (there are no engine "

@@ -4,6 +4,7 @@ GPU-only ones), so one builder serves both engine kinds."""
 from __future__ import annotations
 
 from servedmodel.api import ServedModelSpec
+from servedmodel.api.adapters import max_lora_rank, max_loras
 from servedmodel.api.names import ENGINE_PORT
 
 from .errors import RenderError
@@ -28,6 +29,10 @@ DERIVED_FLAGS = {
     "--chat-template": "spec.engine.chatTemplate",
     "--model": "spec.model",
 }
+# Derived from spec.adapters when it lists any (without adapters extraArgs may set them).
+LORA_FLAGS = ("--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank")
+# The env that opens vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (the prober loads adapters).
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def model_location(spec: ServedModelSpec) -> tuple[str, str | None]:
@@ -70,11 +75,20 @@ def engine_args(spec: ServedModelSpec) -> list[str]:
         args += ["--dtype", eng.dtype]
     if eng.chat_template is not None:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}"]
+    if spec.adapters:
+        # One batch may hold every declared adapter; the rank holds the largest declared one. The adapters
+        # themselves are loaded at run time by the prober (runtime loading), not with --lora-modules.
+        args += ["--enable-lora", "--max-loras", str(max_loras(spec.adapters))]
+        args += ["--max-lora-rank", str(max_lora_rank(spec.adapters))]
     for extra in eng.extra_args:
         flag = _flag_name(extra)
         if flag in DERIVED_FLAGS:
             raise RenderError(
                 "spec.engine.extraArgs",
                 f"{flag} is derived from {DERIVED_FLAGS[flag]}; set that field instead of passing the flag",
+            )
+        if spec.adapters and flag in LORA_FLAGS:
+            raise RenderError(
+                "spec.engine.extraArgs", f"{flag} is derived from spec.adapters; do not pass it as well"
             )
     return [*args, *eng.extra_args]

@@ -24,18 +24,25 @@ from servedmodel.access import AllowList
 from servedmodel.api import ServedModel, names
 from servedmodel.api.base import Obj
 from servedmodel.api.crd import dump_yaml
+from servedmodel.api.names import CACHE_MOUNT
 from servedmodel.api.probe import READINESS_GATE_CONDITION
 from servedmodel.api.spec import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_CPU_IMAGE, VLLM_IMAGE, OperatorConfig
 
-from .args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT, engine_args, model_location
+from .args import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILE,
+    MODEL_MOUNT,
+    RUNTIME_LORA_ENV,
+    engine_args,
+    model_location,
+)
 from .autoscaling import autoscaler_objects
 from .chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION
 from .errors import RenderError
 from .meta import child_metadata
 
 CONTAINER_NAME = "engine"
-CACHE_MOUNT = "/cache"
 HOME_MOUNT = "/home/engine"
 HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
@@ -117,9 +124,11 @@ def engine_env(cr: ServedModel) -> list[Obj]:
         "HF_HOME": {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
         "XDG_CACHE_HOME": {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
     }
-    if model_location(spec)[1] is not None:
-        # Weights are on a PVC: never reach out to the Hub.
+    if model_location(spec)[1] is not None and not any(a.source.startswith("hf://") for a in spec.adapters):
+        # Weights are on a PVC (and no adapter comes from the Hub): never reach out to the Hub.
         env["HF_HUB_OFFLINE"] = {"name": "HF_HUB_OFFLINE", "value": "1"}
+    if spec.adapters:
+        env[RUNTIME_LORA_ENV] = {"name": RUNTIME_LORA_ENV, "value": "True"}
     if spec.hf_token_secret_ref is not None:
         ref = spec.hf_token_secret_ref
         env["HF_TOKEN"] = _secret_env("HF_TOKEN", ref.name, ref.key)
