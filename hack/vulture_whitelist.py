@@ -27,7 +27,6 @@ _.to_replicas  # status.autoscaling.lastScale
 _.current_replicas  # status.autoscaling
 _.desired_replicas  # status.autoscaling (a printer column)
 _.adapters_serving  # status.probe.adaptersServing (the Adapters printer column)
-_.lora_path  # AdapterSpec.lora_path: what the prober sends vLLM (until prober/adapters.py lands)
 _.last_scale  # status.autoscaling
 
 # Framework hooks: called or read by the library, not by us.

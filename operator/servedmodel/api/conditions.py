@@ -11,7 +11,7 @@ field manager owns its own entries; see docs/architecture-reconcile.md):
 
 - the reconciler (field manager `servedmodel-operator`): Ready, Progressing, Degraded, InvalidSpec;
 - the request-path probe (field manager `servedmodel-probe`): Serving, TemplateOK, LatencySLOMet,
-  EngineStalled, KVCachePressure, ProbeUnreliable, RolloutBlocked.
+  EngineStalled, KVCachePressure, ProbeUnreliable, RolloutBlocked, AdaptersServing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Final
 from .base import ConditionStatus
 
 __all__ = [
+    "ADAPTERS_SERVING",
     "DEGRADED",
     "ENGINE_STALLED",
     "INVALID_SPEC",
@@ -64,6 +65,11 @@ ROLLED_BACK: Final = "RolledBack"
 # the reconciler makes it Degraded.
 REPLICAS_FAILING: Final = "ReplicasFailing"
 
+# spec.adapters: every declared LoRA adapter served its own chat request (False names each one that did
+# not and why: a load refusal, its probe's failure); absent without adapters. The base model's Serving is
+# not affected by it.
+ADAPTERS_SERVING: Final = "AdaptersServing"
+
 RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
 PROBE_CONDITIONS: Final = (
     SERVING,
@@ -73,6 +79,7 @@ PROBE_CONDITIONS: Final = (
     KV_CACHE_PRESSURE,
     PROBE_UNRELIABLE,
     ROLLOUT_BLOCKED,
+    ADAPTERS_SERVING,
 )
 
 

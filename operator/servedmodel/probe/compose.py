@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from servedmodel.api.adapters import AdapterProbe
 from servedmodel.api.base import Obj
 from servedmodel.api.conditions import ROLLOUT_BLOCKED
 from servedmodel.api.conditions import find as find_condition
@@ -58,6 +59,16 @@ class Pods:
 
 
 @dataclass(frozen=True)
+class AdapterShare:
+    """spec.adapters' share, composed by prober/adapters.py: status.probe.adapters, adaptersServing and
+    the AdaptersServing condition."""
+
+    entries: list[AdapterProbe]
+    serving: str
+    condition: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Cycle:
     """What one cycle found, and what it continues from."""
 
@@ -69,6 +80,7 @@ class Cycle:
     last_status: ProbeStatus | None = None  # status.probe as this scheduler last wrote it
     last_patch: Mapping[str, Any] | None = None  # this scheduler's last patch
     pods: Pods | None = None  # None: external mode (one endpoint, no pods)
+    adapters: AdapterShare | None = None  # None: no spec.adapters
 
 
 @dataclass
@@ -128,7 +140,11 @@ def compose(c: Cycle) -> Composed:
     old_pods = list(previous.pods or []) if previous is not None else []
     pods = merge_pods(old_pods, list(c.pods.probed), list(c.pods.eligible))
     new = summarize(build_status(c.outcome, c.spec.probe, previous), pods, c.pods.replicas)
+    if c.adapters is not None:
+        new.adapters, new.adapters_serving = c.adapters.entries, c.adapters.serving
     patch = _patch(new, c.spec.probe, c.status, c.generation, c.now)
+    if c.adapters is not None:
+        patch["conditions"].append(c.adapters.condition)
     patch["conditions"] += [
         cond.model_dump(by_alias=True, exclude_none=True)
         for cond in replica_conditions(c.pods.probed, c.status.get("conditions") or [], c.generation, c.now)

@@ -69,6 +69,7 @@ from servedmodel.probe.replicas import (
 )
 from servedmodel.probe.schedule import NOT_READY_WAIT_S, next_delay
 
+from . import adapters
 from .sources import Sources
 from .telemetry import ProbeMetrics
 
@@ -232,6 +233,7 @@ class CycleRunner:
         generation = (body.get("metadata") or {}).get("generation")
         probed: list[PodResult] = []
         plan: _Plan | None = None
+        synced: dict[str, adapters.PodAdapters] | None = None
         if spec.external:
             out = await self.probe_external(model.key, spec)
         else:
@@ -241,6 +243,12 @@ class CycleRunner:
                 rollout = previous_rollout(status, model.last_patch)
                 probed = await self._probe_pods(model, spec, plan.targets, rollout)
                 out = aggregate(probed)
+                if spec.adapters:  # loaded, unloaded and probed on the pods that serve (prober/adapters.py)
+                    targets = [(t.name, t.url) for t in plan.targets]
+                    http = self._client(spec.probe)
+                    synced = await adapters.sync_pods(
+                        http, self.sources, self.probe_loop, model.key, spec, targets, probed
+                    )
             elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
                 # It served before and now no pod can be probed: say so once, then wait quietly.
                 now = datetime.now(UTC)
@@ -255,8 +263,14 @@ class CycleRunner:
             pods = Pods(
                 probed, plan.eligible, plan.replicas, plan.pods, self._rolled_back_from(namespace, name)
             )
+        now = datetime.now(UTC)
+        share = None
+        if plan is not None:
+            previous = previous_probe_status(status, model.last_status)
+            conds = status.get("conditions")
+            share = adapters.compose_adapters(spec, synced, previous, plan.eligible, conds, generation, now)
         composed = compose(
-            Cycle(out, spec, status, generation, datetime.now(UTC), model.last_status, model.last_patch, pods)
+            Cycle(out, spec, status, generation, now, model.last_status, model.last_patch, pods, share)
         )
         new, patch = composed.status, composed.patch
         log.info(
