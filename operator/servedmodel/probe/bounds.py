@@ -167,7 +167,7 @@ class Reply:
 async def request(
     client: httpx.AsyncClient,
     method: str,
-    url: str,
+    url: str | httpx.URL,
     step: str,
     *,
     cap: int,

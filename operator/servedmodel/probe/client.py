@@ -4,6 +4,8 @@ door (GET /health, GET /v1/models) -> template (POST /tokenize) -> metrics befor
 (timed on the monotonic clock) -> metrics after -> limits (oversized prompt) and the learned stop (the same
 chat again with a stop string taken from the first answer) -> the template's fingerprint (when asked)
 -> checks.
+That full path runs on an engine's first cycle and every FULL_PATH_EVERY cycles after; the cycles between
+are light (`PathMemo`): the timed chat between the two /metrics scrapes, with what the full path learned.
 Each cycle's chat starts its first user message with a fresh nonce, so its prefill is cold (vLLM's prefix
 cache would otherwise serve the same prompt from the second cycle on and flatter TTFT).
 Every request has explicit connect/first-byte/total limits; failures become a `ProbeFailure` reason in
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import random
 import statistics
@@ -74,6 +77,15 @@ NONCE_DIGITS = 8
 PROBE_SEED = 1234  # with temperature 0: the learned-stop request repeats the first answer
 # The streaming check's reason when the prober, not the engine, lagged (probe/loop.py).
 PROBE_LOOP_STALLED = "ProbeLoopStalled"
+# The full request path (door, /tokenize, limits, learned stop) on an engine's first cycle, then once every
+# FULL_PATH_EVERY cycles; between them a light cycle sends the timed chat(s) and the two /metrics scrapes
+# only (3 requests of the full path's 8: each costs the operator ~1 ms of CPU, most of a cycle's; issue 21).
+FULL_PATH_EVERY = 10
+# A light cycle whose chat was answered with one of these walks the door, which the full path would have
+# met first: its reason and message (EngineUnhealthy, the models the engine lists) name the failure.
+DOOR_FIRST: frozenset[str] = frozenset(
+    {errors.UNEXPECTED_STATUS, errors.MODEL_NOT_SERVED, errors.UNAUTHORIZED}
+)
 
 T = TypeVar("T")
 
@@ -108,7 +120,7 @@ class PodMetrics:
         self.client, self.urls, self.model = client, list(urls), model
 
     async def _one(self, url: str) -> MetricsSnapshot:
-        snap = await self._scrape(f"{url}/metrics{METRICS_QUERY}")
+        snap = await self._scrape(_metrics_url(url))
         if snap.counters or snap.histograms or snap.gauges:
             return snap
         # Nothing the probe reads came back: a server that misreads name[] (an old prometheus_client's
@@ -116,7 +128,7 @@ class PodMetrics:
         # without the query, which says which.
         return await self._scrape(f"{url}/metrics")
 
-    async def _scrape(self, url: str) -> MetricsSnapshot:
+    async def _scrape(self, url: str | httpx.URL) -> MetricsSnapshot:
         step = "GET /metrics"
         r = await bounds.request(
             self.client,
@@ -154,6 +166,13 @@ class PodMetrics:
             await asyncio.sleep(SETTLE_PAUSE_S)
             after = await self.snapshot()
         return after
+
+
+@functools.lru_cache(maxsize=4096)
+def _metrics_url(base: str) -> httpx.URL:
+    """The scrape's URL with its query, parsed once per engine: httpx checks a str URL's every character
+    on each request (0.3 ms for this 1.2 kB query), a URL object not again."""
+    return httpx.URL(f"{base}/metrics{METRICS_QUERY}")
 
 
 @dataclass
@@ -217,6 +236,57 @@ class ProbeOutcome:
     @property
     def timing(self) -> StreamTiming | None:
         return self.timings[0] if self.timings else None
+
+
+@dataclass
+class PathMemo:
+    """What the full request path learned of one engine, for the light cycles after it.
+
+    The caller keeps one per engine (a pod) and starts a new one when what it was learned for changes:
+    `key` names the pod, its restarts and the probe spec. run_probe fills it after a full path with no
+    failed check, spends one light cycle per call, and empties it (`forget`) on any failure, on a failed
+    check, when the engine's request counter went backwards (the same pod, a new engine process: a
+    restart the caller cannot see) and when the prompt's token count moved (a template edit)."""
+
+    key: str = ""
+    light_left: int = 0
+    model: str | None = None
+    model_root: str | None = None
+    max_model_len: int | None = None
+    tokenize_count: int | None = None
+    rendered: str | None = None
+    limits: ProbeCheck | None = None
+    learned_stop: LearnedStop | None = None
+    requests_done: float | None = None  # the engine's request_success counter after the last cycle
+
+    @property
+    def light(self) -> bool:
+        return self.light_left > 0 and self.model is not None and self.limits is not None
+
+    def forget(self) -> None:
+        self.light_left = 0
+
+    def recall(self, out: ProbeOutcome) -> None:
+        out.model, out.model_root, out.max_model_len = self.model, self.model_root, self.max_model_len
+        out.tokenize_count, out.rendered = self.tokenize_count, self.rendered
+
+    def restarted(self, before: MetricsSnapshot | None) -> bool:
+        done = before.counters.get("request_success") if before is not None else None
+        return done is not None and self.requests_done is not None and done < self.requests_done
+
+    def settle(self, out: ProbeOutcome, light: bool) -> None:
+        """After a cycle: learn from a clean full path, spend a light cycle, or forget."""
+        if out.after is not None:
+            self.requests_done = out.after.counters.get("request_success")
+        if not out.ok or any(c.result == "Fail" for c in out.checks.values()):
+            self.forget()
+        elif light:
+            self.light_left -= 1
+        else:
+            self.model, self.model_root, self.max_model_len = out.model, out.model_root, out.max_model_len
+            self.tokenize_count, self.rendered = out.tokenize_count, out.rendered
+            self.limits, self.learned_stop = out.checks.get("limits"), out.learned_stop
+            self.light_left = FULL_PATH_EVERY - 1 if out.tokenize_error is None else 0
 
 
 def http_timeout(spec: ProbeSpec) -> httpx.Timeout:
@@ -565,9 +635,11 @@ async def run_probe(
     api_key: str | None = None,
     metrics: MetricsReader | None = None,
     fingerprint: bool = False,
+    memo: PathMemo | None = None,
 ) -> ProbeOutcome:
     """One probe cycle. Never raises for a probe failure (cancellation still propagates). `fingerprint`:
-    also take the template's fingerprint (ProbeOutcome.template_fingerprint).
+    also take the template's fingerprint (ProbeOutcome.template_fingerprint). `memo`: the engine's
+    PathMemo, which makes the cycle light when it can (None: the full path, as the one-shot CLI).
 
     Deadlines: the chat phase (door, tokenize, metrics before, the streams) within spec.timeout; what
     follows (metrics after, limits, learned stop) within one more spec.timeout; all of it within
@@ -577,13 +649,13 @@ async def run_probe(
     loop = asyncio.get_running_loop()
     watch = watch_of(loop)
     if watch is not None:
-        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint)
+        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint, memo)
     # A loop nobody watches (the one-shot CLI, a test driving cycles itself): watch it for this cycle, so
     # a hold-up there is the prober's as it is on the ProbeLoop.
     watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S)
     watching = loop.create_task(watch.run(), name="probe-cycle-watch")
     try:
-        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint)
+        return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint, memo)
     finally:
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -599,28 +671,33 @@ async def _run_probe(
     api_key: str | None,
     metrics: MetricsReader | None,
     fingerprint: bool,
+    memo: PathMemo | None,
 ) -> ProbeOutcome:
     out = ProbeOutcome(endpoint=target.base_url, started=datetime.now(UTC))
     base = target.base_url
     deadline = reply_deadline_s(spec)
     loop = asyncio.get_running_loop()
     budget_end = loop.time() + cycle_budget_s(spec)
+    light = memo is not None and memo.light
+    scraped = False
     try:
         async with asyncio.timeout_at(min(loop.time() + spec.timeout, budget_end)):
-            await door(client, base, model, api_key, out, deadline)
+            if light:
+                assert memo is not None
+                memo.recall(out)
+                scraped = await _scrape_before(metrics, out)
+                if memo.restarted(out.before):  # a new engine process behind the same address
+                    light = False
+                    memo.forget()
+            if not light:
+                await door(client, base, model, api_key, out, deadline)
             n = spec.max_in_flight
             bodies = [chat_body(spec, out.model, probe_messages(spec, nonce())) for _ in range(n)]
             out.body = bodies[0]
-            await tokenize(client, base, spec, api_key, out, bodies[0]["messages"], deadline)
-            if metrics is not None:
-                if metrics.model is None:
-                    metrics.model = out.model
-                try:
-                    out.before = await metrics.snapshot()
-                except ProbeFailure as f:
-                    out.metrics_error, out.metrics_failure = f.message, f
-                else:
-                    await asyncio.sleep(SCRAPE_QUIET_S)
+            if not light:
+                await tokenize(client, base, spec, api_key, out, bodies[0]["messages"], deadline)
+            if not scraped:
+                await _scrape_before(metrics, out)
             timings = await gather_or_cancel(
                 *(
                     stream_chat(
@@ -636,6 +713,8 @@ async def _run_probe(
         out.failure = ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
     except RecursionError:  # bounds.loads refuses deep JSON first; nothing deep may end the cycle
         out.failure = ProbeFailure(errors.RESPONSE_TOO_DEEP, "an answer nested too deep to decode")
+    if light and out.failure is not None and out.failure.reason in DOOR_FIRST:
+        await _door_after(client, base, model, api_key, out, deadline, budget_end)
     if out.timings:
         out.figures = _median_figures([client_figures(t) for t in out.timings])
     after_end = min(loop.time() + spec.timeout, budget_end)
@@ -656,14 +735,81 @@ async def _run_probe(
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
     if out.ok:
         after = _FollowUp(client, base, api_key, after_end, deadline)
-        await _limits_check(after, spec, out)
-        await _learned_stop(after, spec, out)
+        if light:
+            assert memo is not None
+            await _recalled_checks(after, spec, out, memo)
+        else:
+            await _limits_check(after, spec, out)
+            await _learned_stop(after, spec, out)
         if fingerprint:
             await _fingerprint(after, spec, out)
         _request_checks(spec, out)
+    if memo is not None:
+        memo.settle(out, light)
     _redact(out, api_key)
     out.ended = datetime.now(UTC)
     return out
+
+
+async def _scrape_before(metrics: MetricsReader | None, out: ProbeOutcome) -> bool:
+    """The metrics before the chat, then a quiet moment (SCRAPE_QUIET_S); True once tried."""
+    if metrics is None:
+        return True
+    if metrics.model is None:
+        metrics.model = out.model
+    try:
+        out.before = await metrics.snapshot()
+    except ProbeFailure as f:
+        out.metrics_error, out.metrics_failure = f.message, f
+    else:
+        await asyncio.sleep(SCRAPE_QUIET_S)
+    return True
+
+
+async def _door_after(
+    client: httpx.AsyncClient,
+    base: str,
+    model: str | None,
+    api_key: str | None,
+    out: ProbeOutcome,
+    deadline_s: float,
+    budget_end: float,
+) -> None:
+    """A light cycle's chat was refused: the door, which the full path meets first, names the failure
+    where it fails too (its reason and message replace the chat's)."""
+    try:
+        async with asyncio.timeout_at(budget_end):
+            await door(client, base, model, api_key, out, deadline_s)
+    except ProbeFailure as f:
+        out.failure = f
+    except TimeoutError:
+        pass
+
+
+async def _recalled_checks(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome, memo: PathMemo) -> None:
+    """A light cycle's follow-ups: the limits verdict and the learned stop as the full path found them;
+    /tokenize again only when the prompt's token count moved since (the template check then compares
+    this cycle's own count, and the next cycle walks the full path)."""
+    out.checks["limits"] = memo.limits or skipped("NotChecked", "the full path has not run")
+    t = out.timing
+    if t is not None and _stop_unreached(spec, t):
+        if memo.learned_stop is None:  # the stop string ended the full path's answer, not this one's
+            memo.forget()
+            await _learned_stop(f, spec, out)
+        else:
+            out.learned_stop = memo.learned_stop
+    usage_prompt = t.usage.get("prompt_tokens") if t is not None and t.usage else None
+    if usage_prompt is not None and usage_prompt != memo.tokenize_count:
+        memo.forget()
+        out.tokenize_count = out.rendered = None
+        messages = out.body["messages"] if out.body is not None else None
+        try:
+            async with asyncio.timeout_at(f.until):
+                await tokenize(f.client, f.base, spec, f.api_key, out, messages, f.deadline_s)
+        except ProbeFailure as failure:
+            out.tokenize_error = f"{failure.reason}: {failure.message}"
+        except TimeoutError:
+            out.tokenize_error = f"POST /tokenize: no answer within {spec.timeout:g} s"
 
 
 def _mark_stall(out: ProbeOutcome, watch: LoopWatch) -> None:
@@ -787,15 +933,19 @@ async def _fingerprint(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome) -> None
         out.template_fingerprint = template_fingerprint(ids)
 
 
+def _stop_unreached(spec: ProbeSpec, t: StreamTiming) -> bool:
+    """The probe's own stop string did not end the answer and is not in it (dummy weights, a base
+    model): only a learned stop can show the engine honours stop strings."""
+    if not spec.stop or (t.finish_reason == "stop" and t.stop_reason in spec.stop):
+        return False
+    return not any(s in t.content for s in spec.stop)  # present: already a failure, nothing to learn
+
+
 async def _learned_stop(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome) -> None:
     """Only when the probe's own stop string did not end the answer (dummy weights, a base model)."""
     t = out.timing
-    if not spec.stop or t is None or out.body is None:
+    if t is None or out.body is None or not _stop_unreached(spec, t):
         return
-    if t.finish_reason == "stop" and t.stop_reason in spec.stop:
-        return
-    if any(s in t.content for s in spec.stop):
-        return  # already a failure; nothing more to learn
     try:
         async with asyncio.timeout_at(f.until):
             out.learned_stop = await learned_stop_request(

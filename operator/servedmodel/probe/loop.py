@@ -116,7 +116,7 @@ class LoopWatch:
     def stalled_ms(self, start_ns: int, end_ns: int) -> float:
         """The longest stall that overlapped [start_ns, end_ns] (ms; 0 when none did)."""
         longest = 0
-        for a, b in self.stalls:
+        for a, b in recent(self.stalls, start_ns):
             if min(b, end_ns) > max(a, start_ns):
                 longest = max(longest, b - a)
         return longest / 1e6
@@ -124,9 +124,22 @@ class LoopWatch:
     def held_up_ms(self, start_ns: int, end_ns: int) -> float:
         """How long the loop was held up inside [start_ns, end_ns] in all (ms): the hold-ups' overlap."""
         total = 0
-        for a, b in list(self.holdups):
+        for a, b in recent(self.holdups, start_ns):
             total += max(0, min(b, end_ns) - max(a, start_ns))
         return total / 1e6
+
+
+def recent(intervals: collections.deque[Any], start_ns: int) -> list[Any]:
+    """The intervals (start, end, ...) that end at or after start_ns, from a deque kept in the order they
+    ended: read from the newest back, so a probe's look at its own few hundred milliseconds does not
+    walk the whole history (512 to 2,048 entries, several looks a cycle). Copied first (in C): another
+    thread, or a collection this very loop sets off, may append while it is read."""
+    out = []
+    for interval in reversed(list(intervals)):
+        if interval[1] < start_ns:
+            break
+        out.append(interval)
+    return out
 
 
 class GcWatch:
@@ -170,7 +183,7 @@ class GcWatch:
     def longest(self, start_ns: int, end_ns: int) -> tuple[float, int] | None:
         """The longest collection that overlapped [start_ns, end_ns]: (ms, generation), or None."""
         best: tuple[int, int] | None = None
-        for a, b, generation in list(self.pauses):
+        for a, b, generation in recent(self.pauses, start_ns):
             if min(b, end_ns) > max(a, start_ns) and (best is None or b - a > best[0]):
                 best = (b - a, generation)
         return None if best is None else (best[0] / 1e6, best[1])

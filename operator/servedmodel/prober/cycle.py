@@ -40,6 +40,7 @@ from servedmodel.probe import errors
 from servedmodel.probe.client import (
     PROBE_LOOP_STALLED,
     MetricsReader,
+    PathMemo,
     PodMetrics,
     ProbeOutcome,
     http_timeout,
@@ -131,6 +132,7 @@ class Model:
     cycles: int = 0
     removed: bool = False
     windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
+    paths: dict[str, PathMemo] = field(default_factory=dict)  # pod ("" external) -> its full path's facts
     rotation: int = 0  # where the next bounded rotation over many pods starts
 
 
@@ -163,6 +165,27 @@ class CycleResult:
     next_delay_s: float = 0.0
     skipped: str = ""  # why nothing was probed: disabled, not-ready, invalid-spec, gone, deleting
     pods: list[PodResult] = field(default_factory=list)
+
+
+def path_key(spec: ServedModelSpec) -> str:
+    """What a full path's facts hold for on one engine: the probe spec and the model name it asks for."""
+    return f"{spec.resolved_served_model_name} {spec.probe.model_dump_json()}"
+
+
+def pod_incarnation(pod: Mapping[str, Any]) -> str:
+    """The pod and its containers' restarts: another engine process behind the same name is another."""
+    restarts = sum(
+        int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+    return f"{(pod.get('metadata') or {}).get('uid')}/{restarts}"
+
+
+def memo_of(model: Model, pod: str, key: str) -> PathMemo:
+    """The model's PathMemo for `pod`, new when what it was learned for (`key`) changed."""
+    memo = model.paths.get(pod)
+    if memo is None or memo.key != key:
+        memo = model.paths[pod] = PathMemo(key)
+    return memo
 
 
 # ---- the cycle -----------------------------------------------------------------------------------
@@ -235,9 +258,10 @@ class CycleRunner:
         plan: _Plan | None = None
         synced: dict[str, adapters.PodAdapters] | None = None
         if spec.external:
-            out = await self.probe_external(model.key, spec)
+            out = await self.probe_external(model, spec)
         else:
             plan = await self._plan(model, spec)
+            model.paths = {pod: m for pod, m in model.paths.items() if pod in plan.pods}
             previous = previous_probe_status(status, model.last_status)
             if plan.targets:
                 rollout = previous_rollout(status, model.last_patch)
@@ -424,6 +448,8 @@ class CycleRunner:
                     for t in targets
                 ]
 
+            probe_key = path_key(spec)
+
             async def one(i: int, t: _PodTarget) -> ProbeOutcome:
                 reader: MetricsReader | None
                 if prometheus is not None:
@@ -439,6 +465,7 @@ class CycleRunner:
                         api_key=api_key,
                         metrics=reader,
                         fingerprint=fingerprint[i],
+                        memo=memo_of(model, t.name, f"{pod_incarnation(t.pod)} {probe_key}"),
                     )
                 )
 
@@ -564,8 +591,9 @@ class CycleRunner:
 
     # ---- external mode: one endpoint, spec.endpoint --------------------------------------------
 
-    async def probe_external(self, key: Key, spec: ServedModelSpec) -> ProbeOutcome:
+    async def probe_external(self, model: Model, spec: ServedModelSpec) -> ProbeOutcome:
         """One external-mode cycle's measurements; secret and allow-list refusals are outcomes too."""
+        key = model.key
         async with self._client(spec.probe) as http:
             try:
                 target = self.sources.target(key, spec)
@@ -583,6 +611,7 @@ class CycleRunner:
                     model=spec.resolved_served_model_name,
                     api_key=api_key,
                     metrics=metrics,
+                    memo=memo_of(model, "", f"{target.base_url} {path_key(spec)}"),
                 )
             )
             [out] = self.sources.redacted(key, out)

@@ -196,8 +196,8 @@ class ProbeScheduler:
         return await self.runner.run(model)
 
     async def probe_once(self, namespace: str, name: str, spec: ServedModelSpec) -> ProbeOutcome:
-        """One external-mode cycle's measurements, written nowhere."""
-        return await self.runner.probe_external((namespace, name), spec)
+        """One external-mode cycle's measurements (the full path), written nowhere."""
+        return await self.runner.probe_external(Model((namespace, name)), spec)
 
     # ---- the loop ------------------------------------------------------------------------------
 
