@@ -184,19 +184,22 @@ def test_load_errors_as_vllm_answers_them(lora_sim: SimulatorProcess, adapters: 
         load(lora_sim, "wide", adapters["wide"]),
         500,
         "InternalServerError",
-        "Call to add_lora method failed: LoRA rank 32 is greater than max_lora_rank 16.",
+        "Call to add_lora method failed: Worker failed with error 'LoRA rank 32 is greater than "
+        "max_lora_rank 16.', please check the stack trace above for the root cause",
     )
     refused(
         load(lora_sim, "biased", adapters["biased"]),
         500,
         "InternalServerError",
-        "Call to add_lora method failed: Adapter bias is not supported.",
+        "Call to add_lora method failed: Worker failed with error 'Adapter bias is not supported.', "
+        "please check the stack trace above for the root cause",
     )
     refused(
         load(lora_sim, "empty", adapters["empty"]),
         500,
         "InternalServerError",
-        "Call to add_lora method failed: <path> doesn't contain tensors",
+        "Call to add_lora method failed: Worker failed with error '<path> doesn't contain tensors', "
+        "please check the stack trace above for the root cause",
     )
     refused(unload(lora_sim, "ghost"), 404, "NotFoundError", "The lora adapter 'ghost' cannot be found.")
     assert [c["id"] for c in models(lora_sim)] == ["qwen"]  # nothing refused was listed
@@ -218,7 +221,16 @@ def test_load_errors_as_vllm_answers_them(lora_sim: SimulatorProcess, adapters: 
     finally:
         unload(lora_sim, "poet")
     missing = httpx.post(f"{lora_sim.base_url}/v1/load_lora_adapter", json={"lora_name": "x"}, timeout=10)
-    assert (missing.status_code, missing.json()["error"]["param"]) == (400, "lora_path")
+    assert (missing.status_code, missing.json()["error"]) == (
+        400,
+        {
+            "message": "1 validation error:\n  {'type': 'missing', 'loc': 'body.lora_path', 'msg': 'Field "
+            "required', 'input': '<dict of 1 items>'}",
+            "type": "Bad Request",
+            "param": "body.lora_path",
+            "code": 400,
+        },
+    )
 
 
 async def test_max_loras_defers_a_second_adapter(
@@ -287,7 +299,8 @@ def test_runtime_routes_need_the_env(adapters: dict[str, Path]) -> None:
         status, body = error(load(plain, "sql", adapters["sql"]))
         assert (status, body["message"]) == (
             500,
-            "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.",
+            "Call to add_lora method failed: Worker failed with error 'LoRA is not enabled. Use "
+            "--enable-lora to enable LoRA.', please check the stack trace above for the root cause",
         )
         assert "vllm:lora_requests_info" not in httpx.get(f"{plain.base_url}/metrics", timeout=10).text
 

@@ -328,11 +328,27 @@ class Simulator:
         return web.Response(status=200, text=text, content_type="application/octet-stream")
 
     async def _lora_body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
-        """The request model's fields: a missing or non-string one is a validation error (400)."""
+        """The request model's string fields: a missing or non-string one is FastAPI's validation error
+        as vLLM's handler words it (400 "Bad Request", param the first field's `body.<name>`)."""
         body = await self._json(request)
+        errors: list[dict[str, str]] = []
         for field in required:
-            if not isinstance(body.get(field), str):
-                raise ApiError(400, f"1 validation error: body.{field}: Field required", param=field)
+            if field not in body:
+                errors.append({"type": "missing", "loc": f"body.{field}", "msg": "Field required",
+                               "input": f"<dict of {len(body)} items>"})  # fmt: skip
+            elif not isinstance(body[field], str):
+                value = body[field]
+                shown = (
+                    f"<{type(value).__name__} of {len(value)} items>"
+                    if isinstance(value, list | dict)
+                    else str(value)
+                )
+                errors.append({"type": "string_type", "loc": f"body.{field}",
+                               "msg": "Input should be a valid string", "input": shown})  # fmt: skip
+        if errors:
+            label = "error" if len(errors) == 1 else "errors"
+            message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {e}" for e in errors)
+            raise ApiError(400, message, "Bad Request", errors[0]["loc"])
         return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
