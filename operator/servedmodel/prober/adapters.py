@@ -213,14 +213,18 @@ def _median(values: Iterable[float | None]) -> float | None:
     return round(statistics.median(vals), 3) if vals else None
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _pod_entry(pod: str, entry: AdapterOnPod) -> AdapterPod:
     figures = entry.outcome.figures if entry.outcome is not None and entry.serving else None
     return AdapterPod(
         name=pod,
         serving="True" if entry.serving else "False",
         reason=entry.why,
-        ttft_ms=figures.ttft_ms if figures is not None else None,
-        tpot_ms=figures.tpot_ms if figures is not None else None,
+        ttft_ms=_round(figures.ttft_ms) if figures is not None else None,
+        tpot_ms=_round(figures.tpot_ms) if figures is not None else None,
     )
 
 
@@ -249,8 +253,9 @@ def compose_adapters(
             if p.name in eligible and p.name not in synced
         }
         serving: ConditionStatus
-        failures: list[str] = []
-        reasons: list[str] = []
+        # (reason, what the engine or the probe said) -> the pods that said it, so one refusal on every
+        # replica reads once
+        failures: dict[tuple[str, str], list[str]] = {}
         for pod, result in synced.items():
             entry = result.adapters.get(adapter.name)
             if entry is None:
@@ -258,15 +263,16 @@ def compose_adapters(
             if entry.loaded:
                 kept[pod] = _pod_entry(pod, entry)
                 if not entry.serving and entry.outcome is not None and entry.outcome.failure is not None:
-                    reasons.append(entry.why)
-                    failures.append(f"{pod}: {entry.why}: {entry.outcome.failure.message}"[:MESSAGE_MAX])
+                    failures.setdefault((entry.why, entry.outcome.failure.message[:MESSAGE_MAX]), []).append(
+                        pod
+                    )
             else:
-                reasons.append(entry.why)
-                failures.append(f"{pod}: {entry.why}: {entry.message}"[:MESSAGE_MAX])
+                failures.setdefault((entry.why, entry.message[:MESSAGE_MAX]), []).append(pod)
         pods = [kept[n] for n in sorted(kept)]
         serving_pods = [p for p in pods if p.serving == "True"]
         if failures:
-            serving, reason, message = "False", reasons[0], "; ".join(failures)
+            serving, reason = "False", next(iter(failures))[0]
+            message = "; ".join(f"{why} on {', '.join(on)}: {said}" for (why, said), on in failures.items())
         elif pods and len(serving_pods) == len(pods):
             serving, reason = "True", errors.SERVING
             message = f"a real chat completion on {len(pods)} pod(s)"
@@ -302,7 +308,7 @@ def compose_adapters(
         reason = failed[0].reason if len(failed) == 1 else ADAPTERS_NOT_SERVING
         if not failed:
             reason = ADAPTER_NOT_LOADED
-        message = "; ".join(f"{e.name}: {e.reason}: {e.message}" for e in not_serving)
+        message = "; ".join(f"{e.name}: {e.message}" for e in not_serving)
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     condition = transition(
         conditions,
