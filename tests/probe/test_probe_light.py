@@ -28,8 +28,8 @@ from servedmodel.probe.client import (
 from servedmodel.probe.endpoints import resolve_external
 from servedmodel.sim.process import SimulatorProcess
 
-FULL = {"GET /health", "GET /v1/models", "POST /tokenize", "GET /metrics", "POST /v1/chat/completions"}
-LIGHT = {"GET /metrics": 2, "POST /v1/chat/completions": 1}
+FULL = {"GET /health", "GET /v1/models", "POST /tokenize", "GET /metrics/", "POST /v1/chat/completions"}
+LIGHT = {"GET /metrics/": 2, "POST /v1/chat/completions": 1}
 
 
 @pytest.fixture

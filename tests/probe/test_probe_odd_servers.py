@@ -31,8 +31,9 @@ class Odd:
     tokenize_count: int = 20
     usage: bool = True
     json_instead_of_stream: bool = False
-    # /metrics and name[]: "honoured" (prometheus_client's apps), "ignored" (everything, whatever is
-    # asked), "nothing" (an answer without a sample, as an old multiprocess registry gives)
+    # /metrics/ and name[]: "honoured" (prometheus_client's app, as vLLM mounts it), "ignored" (everything,
+    # whatever is asked), "nothing" (an answer without a sample, as an old multiprocess registry gives),
+    # "missing" (no such route: 404)
     metrics_query: str = "honoured"
     metrics_queries: list[str] = field(default_factory=list)
 
@@ -90,17 +91,21 @@ def app(odd: Odd) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         names = request.query.getall("name[]", [])
-        odd.metrics_queries.append(request.query_string)
-        if names and odd.metrics_query == "nothing":
-            return web.Response(text="# nothing here\n")
-        if names and odd.metrics_query == "honoured":
-            return web.Response(body=generate_latest(registry.restricted_registry(names)))
+        odd.metrics_queries.append(request.path_qs)
+        if request.path == "/metrics/":
+            if odd.metrics_query == "missing":
+                return web.Response(status=404, text="Not Found")
+            if odd.metrics_query == "nothing":
+                return web.Response(text="# nothing here\n")
+            if odd.metrics_query == "honoured":
+                return web.Response(body=generate_latest(registry.restricted_registry(names)))
         return web.Response(body=generate_latest(registry))
 
     a = web.Application()
     a.add_routes(
         [
             web.get("/metrics", metrics),
+            web.get("/metrics/", metrics),
             web.get("/health", health),
             web.get("/v1/models", models),
             web.post("/tokenize", tokenize),
@@ -168,22 +173,29 @@ async def test_odd_answers_fail_the_probe(odd_server: tuple[str, Odd], oddity: s
     assert out.failure.reason == reason
 
 
-@pytest.mark.parametrize(("query", "scrapes"), [("honoured", 1), ("ignored", 1), ("nothing", 2)])
-async def test_metrics_are_read_whether_name_query_is_honoured_or_not(
-    odd_server: tuple[str, Odd], query: str, scrapes: int
+@pytest.mark.parametrize(
+    ("query", "first", "then"),
+    [("honoured", 1, 1), ("ignored", 1, 1), ("nothing", 2, 1), ("missing", 2, 1)],
+)
+async def test_metrics_are_read_whether_the_name_query_is_honoured_or_not(
+    odd_server: tuple[str, Odd], query: str, first: int, then: int
 ) -> None:
-    """The probe asks /metrics for its samples alone (name[]); a server that ignores the query sends
-    everything and the same snapshot comes out of it; one that answers it with nothing is asked again
-    without the query."""
+    """The probe asks /metrics/ for its samples alone (name[]); a server that ignores the query sends
+    everything and the same snapshot comes out of it; one that answers it with nothing, or has no such
+    route, is scraped at /metrics at once and from then on."""
     url, odd = odd_server
     odd.metrics_query = query
     whole = parse_metrics(generate_latest(exposition()).decode(), "qwen")
     async with probe_client(ProbeSpec()) as client:
-        snap = await PodMetrics(client, [url], "qwen").snapshot()
-    assert snap == whole
-    assert snap.gauges == {"running": 2.0, "waiting": 1.0}
-    assert snap.counters == {"request_success": 7.0}
-    assert len(odd.metrics_queries) == scrapes
-    assert "name[]=vllm:num_requests_running&" in odd.metrics_queries[0]
-    if scrapes == 2:
-        assert odd.metrics_queries[1] == ""
+        for scrapes in (first, then):
+            odd.metrics_queries.clear()
+            snap = await PodMetrics(client, [url], "qwen").snapshot()
+            assert snap == whole
+            assert snap.gauges == {"running": 2.0, "waiting": 1.0}
+            assert snap.counters == {"request_success": 7.0}
+            assert len(odd.metrics_queries) == scrapes, odd.metrics_queries
+            assert odd.metrics_queries[-1].startswith(
+                "/metrics/?name" if query in ("honoured", "ignored") else "/metrics"
+            )
+    if query in ("nothing", "missing"):
+        assert odd.metrics_queries == ["/metrics"]

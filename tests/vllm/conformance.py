@@ -186,6 +186,15 @@ def capture(base: str, model: str, max_model_len: int) -> dict[str, Any]:
         )
         metrics = c.get(f"{base}/metrics")
         doc["metrics"] = metric_families(metrics.text)
+        # The probe's filtered scrape (probe/client.PodMetrics): which route answers name[] with those
+        # samples alone, and which sends everything whatever is asked.
+        for route in ("/metrics", "/metrics/"):
+            r = c.get(f"{base}{route}?name[]=vllm:num_requests_running&name[]=vllm:request_success_total")
+            names = {line.split("{")[0].split(" ")[0] for line in r.text.splitlines() if line[:1] not in "#"}
+            doc[f"metrics-query{route}"] = {
+                "status": r.status_code,
+                "samples": sorted(names) if len(names) <= 4 else "everything",
+            }
     return doc
 
 

@@ -15,6 +15,7 @@ the outcome, never an exception out of `run_probe`. The API key goes in a header
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -114,21 +115,30 @@ class MetricsReader(Protocol):
 
 
 class PodMetrics:
-    """Scrape /metrics of every given engine base URL (never through the Service: one pod each)."""
+    """Scrape /metrics of every given engine base URL (never through the Service: one pod each).
+
+    Each scrape asks for the probe's samples alone first (`_filtered_url`: vLLM's /metrics/ route is
+    prometheus_client's own exposition app, which answers ?name[]=… with those samples: ~60 lines, not
+    ~600); an engine whose answer to that is not such a list (another server's 404, a registry that
+    answers with nothing) is scraped plainly from then on (`_PLAIN`)."""
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], model: str | None) -> None:
         self.client, self.urls, self.model = client, list(urls), model
 
     async def _one(self, url: str) -> MetricsSnapshot:
-        snap = await self._scrape(_metrics_url(url))
-        if snap.counters or snap.histograms or snap.gauges:
-            return snap
-        # Nothing the probe reads came back: a server that misreads name[] (an old prometheus_client's
-        # multiprocess registry answers it with nothing) or an engine that exposes none of it. Once more
-        # without the query, which says which.
-        return await self._scrape(f"{url}/metrics")
+        if url not in _PLAIN:
+            status, snap = await self._scrape(_filtered_url(url))
+            if status == 200 and snap is not None and (snap.counters or snap.histograms or snap.gauges):
+                return snap
+            _PLAIN.add(url)
+        status, snap = await self._scrape(f"{url}/metrics", strict=True)
+        assert snap is not None
+        return snap
 
-    async def _scrape(self, url: str | httpx.URL) -> MetricsSnapshot:
+    async def _scrape(
+        self, url: str | httpx.URL, *, strict: bool = False
+    ) -> tuple[int, MetricsSnapshot | None]:
+        """(status, snapshot); a non-200 answer, or one that does not parse, raises only when `strict`."""
         step = "GET /metrics"
         r = await bounds.request(
             self.client,
@@ -140,14 +150,21 @@ class PodMetrics:
             read_limits=httpx.Timeout(METRICS_TIMEOUT_S),
         )
         if r.status_code != 200:
-            raise errors.classify_status(r.status_code, r.body, step)
-        text = bounds.decode_text(r.body, step)
+            if strict:
+                raise errors.classify_status(r.status_code, r.body, step)
+            return r.status_code, None
         try:
-            return parse_metrics(text, self.model)
+            text = bounds.decode_text(r.body, step)
+            return r.status_code, parse_metrics(text, self.model)
+        except ProbeFailure:
+            if strict:
+                raise
         except ValueError as exc:
-            raise ProbeFailure(
-                errors.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}"
-            ) from None
+            if strict:
+                raise ProbeFailure(
+                    errors.MALFORMED_RESPONSE, f"GET /metrics: unparsable exposition: {exc}"
+                ) from None
+        return r.status_code, None
 
     async def snapshot(self) -> MetricsSnapshot:
         if not self.urls:
@@ -169,10 +186,31 @@ class PodMetrics:
 
 
 @functools.lru_cache(maxsize=4096)
-def _metrics_url(base: str) -> httpx.URL:
-    """The scrape's URL with its query, parsed once per engine: httpx checks a str URL's every character
-    on each request (0.3 ms for this 1.2 kB query), a URL object not again."""
-    return httpx.URL(f"{base}/metrics{METRICS_QUERY}")
+def _filtered_url(base: str) -> httpx.URL:
+    """/metrics/ with the probe's name[] query, parsed once per engine: httpx checks a str URL's every
+    character on each request (0.3 ms for this 1.2 kB query), a URL object not again. The trailing slash
+    matters on vLLM: its plain /metrics is prometheus-fastapi-instrumentator's handler, which ignores the
+    query; /metrics/ reaches the prometheus_client app vLLM mounts beside it (vLLM 0.32, checked)."""
+    return httpx.URL(f"{base}/metrics/{METRICS_QUERY}")
+
+
+class _Bounded(set[str]):
+    """A set that forgets its oldest members past `limit` (engines come and go; no growth without end)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.order = limit, collections.deque[str]()
+
+    def add(self, item: str) -> None:
+        if item not in self:
+            super().add(item)
+            self.order.append(item)
+            while len(self.order) > self.limit:
+                self.discard(self.order.popleft())
+
+
+# Engines (base URLs) whose answer to the filtered scrape was not the probe's samples: scraped plainly.
+_PLAIN = _Bounded(4096)
 
 
 @dataclass

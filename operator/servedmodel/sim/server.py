@@ -192,6 +192,7 @@ class Simulator:
         r.add_post("/ping", self.health)
         r.add_get("/version", self.version)
         r.add_get("/metrics", self.metrics_endpoint)
+        r.add_get("/metrics/", self.metrics_endpoint)
         r.add_get("/v1/models", self.models)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
@@ -235,7 +236,7 @@ class Simulator:
                 time.monotonic() < self.ready_at
                 and not path.startswith("/admin")
                 and not path.startswith("/debug")
-                and path != "/metrics"
+                and path not in ("/metrics", "/metrics/")
             ):
                 status = 503
                 return web.Response(status=503)
@@ -268,8 +269,11 @@ class Simulator:
             # Stalled: no step updates the queue gauges, yet the scheduler's queues are what they are.
             self.metrics.running.set(len(self.engine.running))
             self.metrics.waiting.set(len(self.engine.waiting))
-        # ?name[]=…: only those samples, as prometheus_client's exposition apps (vLLM's /metrics) answer.
-        resp = web.Response(body=self.metrics.render(request.query.getall("name[]", [])))
+        # As vLLM routes them: /metrics is prometheus-fastapi-instrumentator's handler (the whole registry,
+        # whatever the query), /metrics/ the prometheus_client app it mounts beside it, which answers
+        # ?name[]=… with those samples alone.
+        names = request.query.getall("name[]", []) if request.path == "/metrics/" else []
+        resp = web.Response(body=self.metrics.render(names))
         resp.headers["Content-Type"] = CONTENT_TYPE
         return resp
 
