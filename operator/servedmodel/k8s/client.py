@@ -568,34 +568,29 @@ class KubeClient:
 
     async def create(self, obj: Obj) -> Obj:
         """POST `obj` (a 409 ConflictError when it exists)."""
-        meta = obj.get("metadata") or {}
-        r = self.resource(obj["apiVersion"], obj["kind"])
-        url = self.path(r, meta.get("namespace"))
-
-        async def call() -> Obj:
-            response = await self._http.post(url, json=obj)
-            if response.status_code not in (200, 201):
-                raise _response_error(response, await response.aread())
-            created: Obj = response.json()
-            return created
-
-        return await self._call(f"POST {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
+        return await self._write("POST", obj, named=False)
 
     async def replace(self, obj: Obj) -> Obj:
         """PUT `obj`; its metadata.resourceVersion makes it conditional (409 ConflictError when the
         object changed since)."""
+        return await self._write("PUT", obj, named=True)
+
+    async def _write(self, method: str, obj: Obj, *, named: bool) -> Obj:
+        """POST to the collection or PUT to the object's own URL (`named`): the answer's object."""
         meta = obj.get("metadata") or {}
         r = self.resource(obj["apiVersion"], obj["kind"])
-        url = f"{self.path(r, meta.get('namespace'))}/{meta['name']}"
+        url = self.path(r, meta.get("namespace"))
+        if named:
+            url = f"{url}/{meta['name']}"
 
         async def call() -> Obj:
-            response = await self._http.put(url, json=obj)
+            response = await self._http.request(method, url, json=obj)
             if response.status_code not in (200, 201):
                 raise _response_error(response, await response.aread())
-            replaced: Obj = response.json()
-            return replaced
+            written: Obj = response.json()
+            return written
 
-        return await self._call(f"PUT {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
+        return await self._call(f"{method} {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
 
     async def create_review(self, review: Obj) -> Obj:
         """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
