@@ -8,6 +8,7 @@ while the base model keeps serving. One vLLM engine, started and stopped by this
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from servedmodel.probe.endpoints import resolve_override
 from servedmodel.prober.adapters import sync_pod
 from servedmodel.sim.process import SimulatorProcess
 from vllm_server import VLLMServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
+from replica_support import Cluster, pod, scheduler, served_model  # tests/probe's recorder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.timeout(900)]
 
@@ -200,3 +204,49 @@ def test_prober_loads_probes_unloads_and_reports_broken_adapters_on_vllm(
             await http.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "sql"})
 
     asyncio.run(main())
+
+
+def test_status_names_each_adapter_on_vllm(lora_vllm: VLLMServer, adapters: dict[str, Path]) -> None:
+    """The prober's whole cycle (scheduler, compose, the status write to a recorder) on real vLLM: two
+    adapters serving with their own TTFT in status.probe.adapters; then one removed (unloaded, gone from
+    the status) and a rank-16 one added on an engine of --max-lora-rank 8 (AdaptersServing names it)
+    while the base model's Serving stays True."""
+    body = served_model(timeout=60, firstByteTimeout=60)
+    body["spec"]["adapters"] = [{"name": n, "source": str(adapters[n])} for n in ("sql", "poet")]
+    cluster = Cluster(body, [pod("qwen-0", "10.244.0.10")])
+    sched = scheduler(cluster, f"ns/qwen/qwen-0={lora_vllm.base_url}")
+
+    def entries() -> dict[str, dict[str, Any]]:
+        return {a["name"]: a for a in cluster.body["status"]["probe"].get("adapters") or []}
+
+    async def main() -> None:
+        sched.track(body)
+        try:
+            await sched.run_cycle(("ns", "qwen"))
+            probe = cluster.body["status"]["probe"]
+            assert probe["adaptersServing"] == "2/2", probe.get("adapters")
+            for name in ("sql", "poet"):
+                entry = entries()[name]
+                assert (entry["serving"], entry["loaded"]) == ("True", "1/1")
+                assert entry["ttftMs"] > 0
+                assert entry["pods"][0]["ttftMs"] == entry["ttftMs"]
+
+            body["spec"]["adapters"] = [{"name": n, "source": str(adapters[n])} for n in ("sql", "wide")]
+            sched.track(cluster.body)
+            await sched.run_cycle(("ns", "qwen"))
+            async with httpx.AsyncClient(timeout=30) as http:
+                listed = (await http.get(f"{lora_vllm.base_url}/v1/models")).json()["data"]
+            assert [c["id"] for c in listed] == ["qwen", "sql"]
+            assert set(entries()) == {"sql", "wide"}
+            assert cluster.body["status"]["probe"]["adaptersServing"] == "1/2"
+            wide = entries()["wide"]
+            assert (wide["serving"], wide["reason"]) == ("False", "AdapterLoadFailed")
+            assert "LoRA rank 16 is greater than max_lora_rank 8" in wide["message"]
+            cond = cluster.condition("AdaptersServing")
+            assert (cond["status"], cond["reason"]) == ("False", "AdapterLoadFailed")
+            assert cluster.condition("Serving")["status"] == "True"
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
+    httpx.post(f"{lora_vllm.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"}, timeout=30)
