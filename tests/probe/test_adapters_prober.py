@@ -56,8 +56,8 @@ def listed(sim: SimulatorProcess) -> dict[str, str]:
     return {c["id"]: c["root"] for c in data if c["parent"]}
 
 
-def loads(sim: SimulatorProcess) -> float:
-    """POST /v1/load_lora_adapter requests the simulator answered 2xx (its http_requests_total)."""
+def answered(sim: SimulatorProcess, handler: str) -> float:
+    """Requests to `handler` the simulator answered 2xx (its http_requests_total)."""
     text = httpx.get(f"{sim.base_url}/metrics", timeout=10).text
     return sum(
         s.value
@@ -65,9 +65,13 @@ def loads(sim: SimulatorProcess) -> float:
         if f.name == "http_requests"
         for s in f.samples
         if s.name == "http_requests_total"
-        and s.labels.get("handler") == "/v1/load_lora_adapter"
+        and s.labels.get("handler") == handler
         and s.labels.get("status") == "2xx"
     )
+
+
+def loads(sim: SimulatorProcess) -> float:
+    return answered(sim, "/v1/load_lora_adapter")
 
 
 def write_override(path: Path, sims: list[SimulatorProcess]) -> None:
@@ -118,9 +122,16 @@ def test_adapters_loaded_probed_broken_unloaded_and_reloaded(
             assert cluster.condition("AdaptersServing")["status"] == "True"
             assert cluster.condition("Serving")["status"] == "True"
 
-            # a second cycle loads nothing again (they are listed) and probes them again
+            # a second cycle loads nothing again (they are listed) and probes them again, lightly: the
+            # adapters' timed chats alone (their full paths' /tokenize is not sent again), as the base's
+            before = [await asyncio.to_thread(answered, s, "/tokenize") for s in sims]
+            chats = [await asyncio.to_thread(answered, s, "/v1/chat/completions") for s in sims]
             await sched.run_cycle(("ns", "qwen"))
             assert [await asyncio.to_thread(loads, s) for s in sims] == [2.0, 2.0, 2.0]
+            assert [await asyncio.to_thread(answered, s, "/tokenize") for s in sims] == before
+            after = [await asyncio.to_thread(answered, s, "/v1/chat/completions") for s in sims]
+            assert [a - b for a, b in zip(after, chats, strict=True)] == [3.0, 3.0, 3.0]  # base, sql, poet
+            assert all(a["serving"] == "True" for a in adapters_of(cluster).values())
 
             # 2. a rank over the engine's --max-lora-rank and a path with no adapter: each named, with the
             # engine's own words, while the base model and the good adapters keep serving

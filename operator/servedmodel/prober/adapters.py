@@ -6,7 +6,9 @@ For each pod the cycle probed and found serving, after its own probe: GET /v1/mo
   source changed): a replica that restarted lists nothing and gets every adapter again;
 - probe each declared adapter that is now listed: the probe's own request path (probe/client.run_probe)
   with `model: <adapter>`, one adapter after the other, without the limits check (that is the engine's,
-  proven by the base model's probe).
+  proven by the base model's probe), light as the base model's probe is (a PathMemo per pod and adapter:
+  the full path on the first cycle, after a (re)load or a restart, and every FULL_PATH_EVERY cycles; the
+  timed chat alone between them).
 
 What a load refusal says (vLLM's error body: a missing path 404, a rank over --max-lora-rank 500 "LoRA
 rank 32 is greater than max_lora_rank 16.") becomes that adapter's reason and message; the base model's
@@ -33,7 +35,7 @@ from servedmodel.api.conditions import ADAPTERS_SERVING, transition
 from servedmodel.api.probe import ProbeStatus
 from servedmodel.api.spec import ServedModelSpec
 from servedmodel.probe import errors
-from servedmodel.probe.client import ProbeOutcome, run_probe
+from servedmodel.probe.client import PathMemo, ProbeOutcome, run_probe
 from servedmodel.probe.compose import AdapterShare
 from servedmodel.probe.endpoints import resolve_override
 from servedmodel.probe.errors import ProbeFailure
@@ -51,6 +53,15 @@ ALL_ADAPTERS_SERVING: Final = "AllAdaptersServing"
 ADAPTERS_NOT_SERVING: Final = "AdaptersNotServing"
 MODELS_UNREADABLE: Final = "ModelsUnreadable"  # GET /v1/models of the pod failed: nothing synced
 MESSAGE_MAX: Final = 300
+
+
+@dataclass(frozen=True)
+class Target:
+    """A pod to sync: its name, the URL it is probed at, and its incarnation (uid and restarts)."""
+
+    name: str
+    url: str
+    incarnation: str = ""
 
 
 @dataclass
@@ -114,9 +125,12 @@ async def sync_pod(
     pod: str,
     *,
     api_key: str | None = None,
+    memos: dict[str, PathMemo] | None = None,
+    incarnation: str = "",
 ) -> PodAdapters:
     """Bring one pod's adapters to spec.adapters and probe each loaded one (see the module docstring).
-    Never raises for the engine's answers; a transport error leaves the adapters unprobed here."""
+    Never raises for the engine's answers; a transport error leaves the adapters unprobed here. `memos`
+    ("<pod>/<adapter>" -> PathMemo) makes the adapters' probes light where they can be (None: full)."""
     result = PodAdapters(pod)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     declared: dict[str, AdapterSpec] = {a.name: a for a in spec.adapters}
@@ -165,9 +179,17 @@ async def sync_pod(
     # the adapters' own request paths, one after the other (the limits check is the engine's, not theirs)
     probe_spec = spec.probe.model_copy(update={"check_limits": False})
     target = resolve_override(base_url)
+    probe_key = f"{incarnation} {spec.resolved_served_model_name} {probe_spec.model_dump_json()}"
     for name, entry in result.adapters.items():
-        if entry.loaded:
-            entry.outcome = await run_probe(http, target, probe_spec, model=name, api_key=api_key)
+        if not entry.loaded:
+            continue
+        memo = None
+        if memos is not None:
+            slot, key = f"{pod}/{name}", f"{declared[name].lora_path} {probe_key}"
+            memo = memos.get(slot)
+            if memo is None or memo.key != key or name in result.loaded:  # new, or (re)loaded: full path
+                memo = memos[slot] = PathMemo(key)
+        entry.outcome = await run_probe(http, target, probe_spec, model=name, api_key=api_key, memo=memo)
     return result
 
 
@@ -177,13 +199,19 @@ async def sync_pods(
     probe_loop: ProbeLoop,
     key: tuple[str, str],
     spec: ServedModelSpec,
-    targets: Iterable[tuple[str, str]],
+    targets: Sequence[Target],
     probed: Sequence[PodResult],
+    memos: dict[str, PathMemo] | None = None,
 ) -> dict[str, PodAdapters] | None:
     """sync_pod on every probed pod whose own probe served, side by side on the probe loop; None when
-    the engine's API key cannot be read (nothing is sent then)."""
+    the engine's API key cannot be read (nothing is sent then). `memos` keeps the adapters' PathMemos
+    across cycles (those of pods not probed now are dropped)."""
     serving = {r.name for r in probed if r.serving}
-    urls = [(name, url) for name, url in targets if name in serving]
+    urls = [t for t in targets if t.name in serving]
+    if memos is not None:
+        probed_now = {t.name for t in targets}
+        for slot in [s for s in memos if s.split("/", 1)[0] not in probed_now]:
+            del memos[slot]
     async with client as http:
         try:
             api_key = await sources.api_key(key, spec)
@@ -192,8 +220,18 @@ async def sync_pods(
             return None
         results = await asyncio.gather(
             *(
-                probe_loop.submit(sync_pod(http, resolve_override(url).base_url, spec, name, api_key=api_key))
-                for name, url in urls
+                probe_loop.submit(
+                    sync_pod(
+                        http,
+                        resolve_override(t.url).base_url,
+                        spec,
+                        t.name,
+                        api_key=api_key,
+                        memos=memos,
+                        incarnation=t.incarnation,
+                    )
+                )
+                for t in urls
             )
         )
     outcomes = [e.outcome for r in results for e in r.adapters.values() if e.outcome is not None]

@@ -133,6 +133,7 @@ class Model:
     removed: bool = False
     windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
     paths: dict[str, PathMemo] = field(default_factory=dict)  # pod ("" external) -> its full path's facts
+    adapter_paths: dict[str, PathMemo] = field(default_factory=dict)  # "<pod>/<adapter>" -> the same
     rotation: int = 0  # where the next bounded rotation over many pods starts
 
 
@@ -268,10 +269,17 @@ class CycleRunner:
                 probed = await self._probe_pods(model, spec, plan.targets, rollout)
                 out = aggregate(probed)
                 if spec.adapters:  # loaded, unloaded and probed on the pods that serve (prober/adapters.py)
-                    targets = [(t.name, t.url) for t in plan.targets]
+                    targets = [adapters.Target(t.name, t.url, pod_incarnation(t.pod)) for t in plan.targets]
                     http = self._client(spec.probe)
                     synced = await adapters.sync_pods(
-                        http, self.sources, self.probe_loop, model.key, spec, targets, probed
+                        http,
+                        self.sources,
+                        self.probe_loop,
+                        model.key,
+                        spec,
+                        targets,
+                        probed,
+                        model.adapter_paths,
                     )
             elif previous is not None and previous.reason != errors.NO_READY_ENDPOINTS:
                 # It served before and now no pod can be probed: say so once, then wait quietly.
