@@ -88,7 +88,9 @@ def test_hf_adapter_keeps_the_hub_reachable_for_a_pvc_model() -> None:
     )
 
 
-@pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras=4", "--max-lora-rank", "--max_lora_rank=8"])
+@pytest.mark.parametrize(
+    "flag", ["--enable-lora", "--max-loras=4", "--max-lora-rank", "--max_lora_rank=8", "--lora-modules=a=/x"]
+)
 def test_lora_flags_in_extra_args_are_refused_beside_adapters(flag: str) -> None:
     adapters = [{"name": "sql", "source": "hf://org/sql"}]
     with pytest.raises(RenderError) as info:

@@ -29,8 +29,9 @@ DERIVED_FLAGS = {
     "--chat-template": "spec.engine.chatTemplate",
     "--model": "spec.model",
 }
-# Derived from spec.adapters when it lists any (without adapters extraArgs may set them).
-LORA_FLAGS = ("--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank")
+# Derived from spec.adapters when it lists any (without adapters extraArgs may set them); --lora-modules
+# beside it would load adapters the prober then unloads, as the spec does not list them.
+LORA_FLAGS = ("--enable-lora", "--no-enable-lora", "--max-loras", "--max-lora-rank", "--lora-modules")
 # The env that opens vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (the prober loads adapters).
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
