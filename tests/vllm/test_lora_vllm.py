@@ -8,6 +8,7 @@ while the base model keeps serving. One vLLM engine, started and stopped by this
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,15 +38,19 @@ MAX_MODEL_LEN = 4096
 
 @pytest.fixture(scope="module")
 def adapters(qwen25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Rank-8 `sql` and `poet`, rank-16 `wide`, and `empty` (a config, no weights) for the tiny Qwen."""
+    """Rank-8 `sql` and `poet`, rank-16 `wide`, `empty` (a config, no weights) and `biased` (bias "all")
+    for the tiny Qwen."""
     root = tmp_path_factory.mktemp("loras")
     out = {
         "sql": write_adapter(qwen25_dir, root / "sql", rank=8, seed=1),
         "poet": write_adapter(qwen25_dir, root / "poet", rank=8, seed=2),
         "wide": write_adapter(qwen25_dir, root / "wide", rank=16, seed=3),
         "empty": write_adapter(qwen25_dir, root / "empty", rank=8, seed=4),
+        "biased": write_adapter(qwen25_dir, root / "biased", rank=8, seed=5),
     }
     (out["empty"] / "adapter_model.safetensors").unlink()
+    config = json.loads((out["biased"] / "adapter_config.json").read_text())
+    (out["biased"] / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
     return out
 
 
@@ -98,6 +103,7 @@ def capture_lora(base: str, adapters: dict[str, Path]) -> dict[str, Any]:
         doc["load/hub-id-offline"] = load("ghost", "someone/not-downloaded")
         doc["load/rank-over-max"] = load("wide", adapters["wide"])
         doc["load/no-tensors"] = load("empty", adapters["empty"])
+        doc["load/bias"] = load("biased", adapters["biased"])
         doc["load/poet"] = load("poet", adapters["poet"])
         doc["load/poet-in-place"] = load("poet", adapters["sql"], load_inplace=True)
         doc["models"] = normalise(c.get("/v1/models").json())
@@ -141,6 +147,7 @@ def test_simulator_serves_adapters_as_vllm_does(
         assert doc["chat/sql"]["model"] == "sql"
         assert doc["stream/poet"] == ["poet"]
         assert doc["load/rank-over-max"]["status"] == 500
+        assert "Adapter bias is not supported." in doc["load/bias"]["body"]["error"]["message"]
         assert doc["metrics/after"]["labels"] == [
             "max_lora",
             "running_lora_adapters",
