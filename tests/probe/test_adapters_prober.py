@@ -158,6 +158,11 @@ def test_adapters_loaded_probed_broken_unloaded_and_reloaded(
             assert (serving["status"], serving["reason"]) == ("True", "ChatCompletionSucceeded")
             assert cluster.body["status"]["probe"]["serving"] == "3/3"
             assert entries["sql"]["serving"] == "True"
+            warned = [e for e in cluster.events if e[0] == "ServedModel"]
+            assert [e[2] for e in warned] == ["AdaptersNotServing"]  # one Warning, naming both
+            assert "wide: AdapterLoadFailed" in warned[0][3]
+            await sched.run_cycle(("ns", "qwen"))  # still broken: no second Event
+            assert [e for e in cluster.events if e[0] == "ServedModel"] == warned
 
             # 3. poet and the broken ones removed from the spec: unloaded on every replica, gone from status
             respec([{"name": "sql", "source": str(folders["sql"]), "rank": 8}])

@@ -23,6 +23,7 @@ from servedmodel import scaling
 from servedmodel.api import API_GROUP_VERSION, PLURAL
 from servedmodel.api.base import Key, Obj
 from servedmodel.api.conditions import (
+    ADAPTERS_SERVING,
     ENGINE_STALLED,
     KV_CACHE_PRESSURE,
     PROBE_UNRELIABLE,
@@ -546,6 +547,8 @@ class CycleRunner:
             )
             if warned and c["status"] == "True" and was != "True":
                 await self._event(body, "Warning", c["type"], c["message"])
+            elif c["type"] == ADAPTERS_SERVING and c["status"] == "False" and was != "False":
+                await self._event(body, "Warning", c["reason"], c["message"])  # an adapter does not serve
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
 
