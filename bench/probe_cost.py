@@ -94,9 +94,7 @@ def main() -> int:
     args = parser.parse_args()
     ways = asyncio.run(run(args.blocks))
     print(f"servedmodel from {servedmodel.__file__}")
-    print(
-        "| probe cycles | n | requests per cycle | CPU ms p50 | CPU ms mean | CPU ms max | mean vs full path |"
-    )
+    print("| probe cycles | n | requests per cycle | CPU ms p50 | CPU ms mean | CPU ms max | vs full path |")
     print("|---|---|---|---|---|---|---|")
     for way in ways:
         print(way.row(ways[0] if way is not ways[0] else None))
