@@ -160,6 +160,15 @@ def test_adapters_on_three_replicas_restart_remove_and_broken(
             )
             adapters_serving("3/3", sql="3/3", poet="3/3", chat="3/3")
             map_pods(sims)
+            # the fresh engine stops only once no cycle can still be talking to it: a cycle in flight
+            # when the mapping changed ends (one new lastProbeTime), then a whole cycle after it (another)
+            for _ in range(2):
+                seen = sm(cp, namespace)["status"]["probe"]["lastProbeTime"]
+                cluster_support.wait_for(
+                    "a probe cycle after the mapping changed",
+                    lambda seen=seen: sm(cp, namespace)["status"]["probe"]["lastProbeTime"] != seen,
+                    WAIT_S,
+                )
 
         # chat removed and wide (rank 32 over the engines' --max-lora-rank 16) added: chat unloaded from
         # every replica; wide named in AdaptersServing, in the engine's words; the base model serves on
@@ -183,3 +192,8 @@ def test_adapters_on_three_replicas_restart_remove_and_broken(
         assert column(table, "ADAPTERS") == "2/3", table
         described = cp.kubectl("describe", "sm", "qwen", "-n", namespace).stdout
         assert "AdaptersServing" in described
+        cluster_support.wait_for(
+            "a Warning Event naming wide",
+            lambda: "wide: AdapterLoadFailed" in cp.kubectl("get", "events", "-n", namespace).stdout,
+            WAIT_S,
+        )

@@ -12,7 +12,7 @@ from servedmodel.api.probe import ProbeStatus
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.errors import ProbeFailure
 from servedmodel.probe.sse import ClientFigures
-from servedmodel.prober.adapters import AdapterOnPod, PodAdapters, compose_adapters
+from servedmodel.prober.adapters import AdapterOnPod, PodAdapters, compose_adapters, started_failing
 
 NOW = datetime(2026, 12, 4, 17, 0, tzinfo=UTC)
 
@@ -119,3 +119,23 @@ def test_pods_not_synced_keep_their_entries_while_they_can_be_probed() -> None:
 
 def test_no_adapters_no_share() -> None:
     assert compose_adapters(spec(), {}, None, ["a"], [], 1, NOW) is None
+
+
+def test_an_event_when_an_adapter_starts_failing_even_if_another_already_failed() -> None:
+    """started_failing: the Warning Event's moment is an adapter turning False, not the condition."""
+
+    def status(sql: AdapterOnPod, wide: AdapterOnPod) -> ProbeStatus:
+        synced = {p: pod(p, sql=sql, wide=wide) for p in "ab"}
+        return ProbeStatus(adapters=compose(spec("sql", "wide"), synced).entries)
+
+    def up(name: str) -> AdapterOnPod:
+        return AdapterOnPod(name, loaded=True, outcome=served(9.0))
+
+    healthy = status(up("sql"), up("wide"))
+    one_down = status(up("sql"), refused("wide"))
+    both_down = status(refused("sql"), refused("wide"))
+    assert started_failing(None, one_down)
+    assert started_failing(healthy, one_down)
+    assert not started_failing(one_down, one_down)  # still the same one: said already
+    assert started_failing(one_down, both_down)  # sql too now, though the condition was False already
+    assert not started_failing(both_down, healthy)

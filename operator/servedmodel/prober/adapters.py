@@ -246,6 +246,15 @@ async def sync_pods(
     return {r.pod: r for r in results}
 
 
+def started_failing(previous: ProbeStatus | None, new: ProbeStatus) -> bool:
+    """Whether an adapter's own verdict turned False in this cycle (the Warning Event's moment): one that
+    was not failing before is now, whatever the others did meanwhile."""
+    before = (
+        {a.name for a in (previous.adapters or []) if a.serving == "False"} if previous is not None else set()
+    )
+    return any(a.serving == "False" and a.name not in before for a in new.adapters or [])
+
+
 def _median(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return round(statistics.median(vals), 3) if vals else None

@@ -503,8 +503,8 @@ class CycleRunner:
         composed: Composed,
     ) -> None:
         """The composed readiness-gate writes (pods/status), and Events: for every pod whose Serving
-        changed, for EngineStalled / KVCachePressure / RolloutBlocked / ProbeUnreliable turning True, and
-        TemplateChanged."""
+        changed, for EngineStalled / KVCachePressure / RolloutBlocked / ProbeUnreliable turning True, an
+        adapter that stops serving (AdaptersServing's reason), and TemplateChanged."""
         namespace, name = model.key
         if model.removed:
             return
@@ -547,8 +547,8 @@ class CycleRunner:
             )
             if warned and c["status"] == "True" and was != "True":
                 await self._event(body, "Warning", c["type"], c["message"])
-            elif c["type"] == ADAPTERS_SERVING and c["status"] == "False" and was != "False":
-                await self._event(body, "Warning", c["reason"], c["message"])  # an adapter does not serve
+            elif c["type"] == ADAPTERS_SERVING and adapters.started_failing(previous, composed.status):
+                await self._event(body, "Warning", c["reason"], c["message"])  # an adapter stopped serving
         self.metrics.stalled.labels(namespace, name).set(sum(1 for r in probed if r.stalled))
         self.metrics.kv_pressure.labels(namespace, name).set(sum(1 for r in probed if r.kv_pressure))
 
