@@ -33,6 +33,7 @@ from .k8s.reader import Reader
 from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
+from .render.inference_pool import INFERENCE_OBJECTIVE_API, INFERENCE_POOL_API
 from .status import (
     ApplyFailed,
     External,
@@ -65,6 +66,8 @@ CHILD_KINDS: Final = (
     (HPA_API, "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
     (KEDA_API, "scaledobjects", "ScaledObject"),
     (KEDA_API, "triggerauthentications", "TriggerAuthentication"),
+    (INFERENCE_POOL_API, "inferencepools", "InferencePool"),
+    (INFERENCE_OBJECTIVE_API, "inferenceobjectives", "InferenceObjective"),
 )
 
 
@@ -434,6 +437,8 @@ async def reconcile(
             ROUTE_API: await client.discover(ROUTE_API),
             MONITORING_API: await client.discover(MONITORING_API),
             KEDA_API: await client.discover(KEDA_API),
+            INFERENCE_POOL_API: await client.discover(INFERENCE_POOL_API),
+            INFERENCE_OBJECTIVE_API: await client.discover(INFERENCE_OBJECTIVE_API),
         }
     template_missing: TemplateMissing | None = None
     rolled_back: Problem | None = None
@@ -444,6 +449,8 @@ async def reconcile(
             has_route_api=optional[ROUTE_API],
             has_service_monitor_api=optional[MONITORING_API],
             has_keda_api=optional[KEDA_API],
+            has_inference_pool_api=optional[INFERENCE_POOL_API],
+            has_inference_objective_api=optional[INFERENCE_OBJECTIVE_API],
             chat_template_digest=template_digest,
         )
         try:

@@ -24,7 +24,13 @@ OPENSHIFT = RenderContext(has_route_api=True, has_service_monitor_api=True)
 KEDA = RenderContext(has_route_api=True, has_service_monitor_api=True, has_keda_api=True)
 
 
+# Cases named inference-pool* render as if the Gateway API Inference Extension's APIs were discovered.
+INFERENCE = RenderContext(has_inference_pool_api=True, has_inference_objective_api=True)
+
+
 def _context(case: Path) -> RenderContext:
+    if case.stem.startswith("inference-pool"):
+        return INFERENCE
     if case.stem.startswith("keda"):
         return KEDA
     return OPENSHIFT if case.stem.startswith("openshift") else PLAIN
@@ -56,7 +62,7 @@ def _updating() -> bool:
 def test_cases_cover_the_table() -> None:
     stems = {c.stem for c in CASES}
     assert {"qwen-7b-1gpu", "qwen-tp2", "cache-pvc", "external-endpoint", "simulator", "openshift"} <= stems
-    assert {"autoscaling-hpa", "keda-openshift"} <= stems
+    assert {"autoscaling-hpa", "keda-openshift", "inference-pool"} <= stems
     assert {"qwen-0.5b-cpu", "qwen-0.5b-cpu-defaults"} <= stems
 
 

@@ -24,6 +24,9 @@ REVISION_LABEL = "inference.servedmodel.io/revision"
 # the blocked revision it was rolled back from. The probe keeps status.rollout's blockedRevision while it is
 # there; a Deployment applied from the spec again (fixed or reverted) has none.
 ROLLED_BACK_FROM_ANNOTATION = "inference.servedmodel.io/rolled-back-from"
+# On the engine pods of a ServedModel with spec.inferencePool: the pool's name. The InferencePool's
+# selector is this one label, so several ServedModels can be members of one pool.
+INFERENCE_POOL_LABEL = "inference.servedmodel.io/inference-pool"
 
 
 def deployment_name(name: str) -> str:

@@ -21,6 +21,7 @@ from pydantic import (
 from .adapters import MAX_ADAPTERS, AdapterSpec
 from .autoscaling import ServedModelAutoscaling
 from .base import ApiModel, cel
+from .inference_pool import InferencePoolSpec
 from .probe import ProbeSpec, RolloutSpec
 
 # Kubernetes' resource.Quantity pattern (as controller-gen writes it).
@@ -423,6 +424,7 @@ DEPLOYMENT_FIELDS = (
     "expose",
     "monitoring",
     "autoscaling",
+    "inferencePool",
 )
 ENGINE_DEPLOYMENT_FIELDS = (
     "image",
@@ -631,6 +633,15 @@ class ServedModelSpec(ApiModel):
             "(status.probe.adapters)."
         ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    inference_pool: InferencePoolSpec | None = Field(
+        default=None,
+        description=(
+            "Route through the Gateway API Inference Extension: an InferencePool (and optionally an "
+            "InferenceObjective) over the engine pods, rendered when inference.networking.k8s.io/v1 exists. "
+            "The endpoint picker routes only to Ready pods, and an engine pod is Ready only once the probe's "
+            "chat succeeded on it (the readiness gate)."
+        ),
     )
 
     @model_validator(mode="after")

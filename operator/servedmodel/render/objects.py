@@ -8,6 +8,8 @@ Children (all owned by the ServedModel, controller=true):
   Route                 `<name>`         edge TLS, only when route.openshift.io exists and expose.route
   ServiceMonitor        `<name>`         only when monitoring.coreos.com exists and monitoring.serviceMonitor
   HPA / ScaledObject    `<name>`         with spec.autoscaling (render/autoscaling.py; KEDA when discovered)
+  InferencePool (+ InferenceObjective) `<pool>`  with spec.inferencePool, when inference.networking.k8s.io
+                                         exists (render/inference_pool.py)
 External mode (spec.endpoint) renders nothing.
 """
 
@@ -40,6 +42,7 @@ from .args import (
 from .autoscaling import autoscaler_objects
 from .chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION
 from .errors import RenderError
+from .inference_pool import inference_pool_objects, pool_labels
 from .meta import child_metadata
 
 CONTAINER_NAME = "engine"
@@ -62,6 +65,10 @@ class RenderContext:
     has_service_monitor_api: bool = False
     # keda.sh/v1alpha1 exists: spec.autoscaling renders a ScaledObject instead of an HPA.
     has_keda_api: bool = False
+    # inference.networking.k8s.io/v1 (InferencePool) and inference.networking.x-k8s.io/v1alpha2
+    # (InferenceObjective) exist: spec.inferencePool renders them.
+    has_inference_pool_api: bool = False
+    has_inference_objective_api: bool = False
     # A digest of the chat template ConfigMap's key (chat_template.template_digest; the reconciler
     # reads the ConfigMap): when it changes the pod template changes, so a new template rolls the pods.
     chat_template_digest: str | None = None
@@ -80,6 +87,8 @@ class RenderContext:
         has_route_api: bool = False,
         has_service_monitor_api: bool = False,
         has_keda_api: bool = False,
+        has_inference_pool_api: bool = False,
+        has_inference_objective_api: bool = False,
         chat_template_digest: str | None = None,
     ) -> RenderContext:
         return cls(
@@ -89,6 +98,8 @@ class RenderContext:
             has_route_api=has_route_api,
             has_service_monitor_api=has_service_monitor_api,
             has_keda_api=has_keda_api,
+            has_inference_pool_api=has_inference_pool_api,
+            has_inference_objective_api=has_inference_objective_api,
             chat_template_digest=chat_template_digest,
             allowed_targets=config.target_allow_list,
             allow_insecure_tls=config.allow_insecure_tls,
@@ -261,7 +272,8 @@ def _check(cr: ServedModel) -> None:
 
 
 def _pod_metadata(cr: ServedModel, ctx: RenderContext) -> Obj:
-    meta: Obj = {"labels": names.standard_labels(cr.name, cr.spec.engine.kind)}
+    labels = {**names.standard_labels(cr.name, cr.spec.engine.kind), **pool_labels(cr)}
+    meta: Obj = {"labels": dict(sorted(labels.items()))}
     if cr.spec.engine.chat_template is not None and ctx.chat_template_digest:
         meta["annotations"] = {CHAT_TEMPLATE_DIGEST_ANNOTATION: ctx.chat_template_digest}
     return meta
@@ -444,6 +456,11 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
         has_keda_api=ctx.has_keda_api,
         allowed_targets=ctx.allowed_targets,
         allow_insecure_tls=ctx.allow_insecure_tls,
+    )
+    objects += inference_pool_objects(
+        cr,
+        has_inference_pool_api=ctx.has_inference_pool_api,
+        has_inference_objective_api=ctx.has_inference_objective_api,
     )
     return objects
 
