@@ -3,6 +3,8 @@
 - `operator_verify()`: operator-framework/api's `operator-verify` (the validators `operator-sdk bundle
   validate` runs), built once with the machine's Go into the cache beside the control plane.
 - `keda_crd(plural)`: KEDA's CRDs (keda.sh: ScaledObject, TriggerAuthentication) from its Go module.
+- `gie_crd(plural)`: the Gateway API Inference Extension's CRDs (InferencePool, InferenceObjective) from its
+  Go module at hack/versions.env's GIE_VERSION, copied once into the cache (gie-<version>/).
 - `olm_crd(name)`: one of OLM's CRDs (e.g. the ClusterServiceVersion's, with its full schema) from the
   same module, so the API server can validate our CSV against it.
 """
@@ -23,6 +25,12 @@ PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 # KEDA's CRDs (ScaledObject, TriggerAuthentication), for the autoscaling tests' server-side applies.
 KEDA = "github.com/kedacore/keda/v2"
 KEDA_VERSION = "v2.21.0"
+# The Gateway API Inference Extension (spec.inferencePool); its version is pinned in hack/versions.env.
+GIE = "sigs.k8s.io/gateway-api-inference-extension"
+GIE_CRD_FILES = {
+    "inferencepools": "inference.networking.k8s.io_inferencepools.yaml",
+    "inferenceobjectives": "inference.networking.x-k8s.io_inferenceobjectives.yaml",
+}
 BUILD_TIMEOUT_S = 1800.0  # cold on 2 cores: about 4 minutes of CPU, 8 with a busy machine
 
 
@@ -39,9 +47,21 @@ def _go() -> str:
     return go
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel")
-    return Path(base) / f"olm-api-{OLM_API_VERSION}"
+    return _cache_root() / f"olm-api-{OLM_API_VERSION}"
+
+
+def gie_version() -> str:
+    """GIE_VERSION from hack/versions.env (the one place the pins are set)."""
+    for line in (Path(__file__).resolve().parent / "versions.env").read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key == "GIE_VERSION":
+            return value.strip()
+    raise ToolUnavailable("GIE_VERSION is not in hack/versions.env")
 
 
 def _env() -> dict[str, str]:
@@ -107,9 +127,28 @@ def keda_crd(plural: str) -> Path:
     return path
 
 
+def gie_crd(plural: str) -> Path:
+    """The Gateway API Inference Extension's CRD file for a resource ("inferencepools",
+    "inferenceobjectives"), from the cache; the first call copies them out of the Go module."""
+    version = gie_version()
+    cached = _cache_root() / f"gie-{version}" / GIE_CRD_FILES[plural]
+    if cached.is_file():
+        return cached
+    bases = module_dir(GIE, version) / "config" / "crd" / "bases"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    for name in GIE_CRD_FILES.values():
+        if not (bases / name).is_file():
+            raise ToolUnavailable(f"{bases / name} not in the module")
+        tmp = cached.parent / f".{name}.tmp"
+        tmp.write_bytes((bases / name).read_bytes())
+        tmp.replace(cached.parent / name)
+    return cached
+
+
 if __name__ == "__main__":
     # `make test` runs this before pytest: a cold build takes minutes, longer than one test may run.
     print(operator_verify())
     print(olm_crd("clusterserviceversions"))
     print(prometheus_operator_crd("servicemonitors"))
     print(keda_crd("scaledobjects"))
+    print(gie_crd("inferencepools"))
