@@ -2,7 +2,7 @@
 
 An endpoint picker (GIE's EPP) routes a Gateway's requests among the pool's pods by queue depth, KV
 cache and LoRA affinity. Its pod reconciler keeps only pods that match the pool's selector *and* are
-Ready (gateway-api-inference-extension v1.4.0, pkg/epp/controller/pod_reconciler.go: `!IsPodReady(pod)
+Ready (gateway-api-inference-extension v1.5.0, pkg/epp/controller/pod_reconciler.go: `!IsPodReady(pod)
 || !PoolLabelsMatch(pod.Labels)` removes the pod from the datastore), and the operator's readiness gate
 makes an engine pod Ready only once a real streamed chat succeeded on it: so the pool routes only to
 pods that really generate.
