@@ -60,7 +60,7 @@ class Scrapes:
         self.texts: list[str] = []
 
     async def __call__(self, response: httpx.Response) -> None:
-        if response.request.method == "GET" and response.url.path == "/metrics":
+        if response.request.method == "GET" and response.url.path in ("/metrics", "/metrics/"):
             await response.aread()
             self.texts.append(response.text)
 
