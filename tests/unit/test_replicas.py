@@ -604,8 +604,9 @@ def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided(
     pods = compose.Pods(probed, [r.name for r in probed], 3, by_name)
     done = compose.compose(compose.Cycle(out, spec, {}, 2, T0, pods=pods))
     types = [c["type"] for c in done.patch["conditions"]]
-    # no SLO and no adapters in the spec
-    assert sorted(types) == sorted(set(PROBE_CONDITIONS) - {"LatencySLOMet", "AdaptersServing"})
+    # no SLO and no adapters in the spec; MetricsCompatible is the prober's to hand over (none here)
+    absent = {"LatencySLOMet", "AdaptersServing", "MetricsCompatible"}
+    assert sorted(types) == sorted(set(PROBE_CONDITIONS) - absent)
     serving = next(c for c in done.patch["conditions"] if c["type"] == "Serving")
     assert (serving["status"], serving["reason"]) == ("True", REPLICAS_FAILING)
     assert "pod q-c: StreamCut" in serving["message"]

@@ -53,6 +53,9 @@ def test_frozen_engine_core_is_engine_stalled_and_the_other_replica_serves(vllm_
                 first = await sched.run_cycle(("ns", "qwen"))
                 assert [r.serving for r in first.pods] == [True, True], [r.message for r in first.pods]
                 assert cluster.condition("EngineStalled")["status"] == "False"
+                # real vLLM's /metrics has every series GIE's endpoint picker and the probe read
+                compat = cluster.condition("MetricsCompatible")
+                assert (compat["status"], compat["reason"]) == ("True", "SeriesPresent"), compat["message"]
                 vllm_qwen25.signal_engine(signal.SIGSTOP)
                 try:
                     stalled = await sched.run_cycle(("ns", "qwen"))

@@ -29,6 +29,7 @@ __all__ = [
     "KV_CACHE_PRESSURE",
     "LATENCY_SLO_MET",
     "MESSAGE_MAX",
+    "METRICS_COMPATIBLE",
     "PROBE_CONDITIONS",
     "PROBE_UNRELIABLE",
     "PROGRESSING",
@@ -69,6 +70,9 @@ REPLICAS_FAILING: Final = "ReplicasFailing"
 # not and why: a load refusal, its probe's failure); absent without adapters. The base model's Serving is
 # not affected by it.
 ADAPTERS_SERVING: Final = "AdaptersServing"
+# Every probed engine pod exposes the series GIE's endpoint picker and the probe read, with their types
+# and labels (probe/compat.py); False names the pod and what is missing. Absent with a Prometheus source.
+METRICS_COMPATIBLE: Final = "MetricsCompatible"
 
 RECONCILER_CONDITIONS: Final = (READY, PROGRESSING, DEGRADED, INVALID_SPEC)
 PROBE_CONDITIONS: Final = (
@@ -80,6 +84,7 @@ PROBE_CONDITIONS: Final = (
     PROBE_UNRELIABLE,
     ROLLOUT_BLOCKED,
     ADAPTERS_SERVING,
+    METRICS_COMPATIBLE,
 )
 
 

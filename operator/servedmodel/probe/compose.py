@@ -81,6 +81,7 @@ class Cycle:
     last_patch: Mapping[str, Any] | None = None  # this scheduler's last patch
     pods: Pods | None = None  # None: external mode (one endpoint, no pods)
     adapters: AdapterShare | None = None  # None: no spec.adapters
+    metrics_compatible: dict[str, Any] | None = None  # the MetricsCompatible condition (probe/compat.py)
 
 
 @dataclass
@@ -145,6 +146,8 @@ def compose(c: Cycle) -> Composed:
     patch = _patch(new, c.spec.probe, c.status, c.generation, c.now)
     if c.adapters is not None:
         patch["conditions"].append(c.adapters.condition)
+    if c.metrics_compatible is not None:
+        patch["conditions"].append(c.metrics_compatible)
     patch["conditions"] += [
         cond.model_dump(by_alias=True, exclude_none=True)
         for cond in replica_conditions(c.pods.probed, c.status.get("conditions") or [], c.generation, c.now)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -47,6 +48,7 @@ from servedmodel.probe.client import (
     http_timeout,
     run_probe,
 )
+from servedmodel.probe.compat import Compatibility, compat_condition, scrape_and_judge
 from servedmodel.probe.compose import (
     Composed,
     Cycle,
@@ -135,6 +137,8 @@ class Model:
     windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
     paths: dict[str, PathMemo] = field(default_factory=dict)  # pod ("" external) -> its full path's facts
     adapter_paths: dict[str, PathMemo] = field(default_factory=dict)  # "<pod>/<adapter>" -> the same
+    # pod -> (its incarnation and whether adapters are declared, the verdict on its /metrics): judged once
+    metrics_compat: dict[str, tuple[str, Compatibility]] = field(default_factory=dict)
     rotation: int = 0  # where the next bounded rotation over many pods starts
 
 
@@ -188,6 +192,19 @@ def memo_of(model: Model, pod: str, key: str) -> PathMemo:
     if memo is None or memo.key != key:
         memo = model.paths[pod] = PathMemo(key)
     return memo
+
+
+# Probe failures that mean no engine answered at that address: no /metrics to judge there either.
+UNREACHABLE = frozenset(
+    {
+        errors.CONNECTION_REFUSED,
+        errors.CONNECTION_FAILED,
+        errors.CONNECT_TIMEOUT,
+        errors.DNS_FAILURE,
+        errors.ENGINE_UNHEALTHY,
+        errors.SECRET_UNAVAILABLE,
+    }
+)
 
 
 # ---- the cycle -----------------------------------------------------------------------------------
@@ -264,6 +281,7 @@ class CycleRunner:
         else:
             plan = await self._plan(model, spec)
             model.paths = {pod: m for pod, m in model.paths.items() if pod in plan.pods}
+            model.metrics_compat = {p: v for p, v in model.metrics_compat.items() if p in plan.pods}
             previous = previous_probe_status(status, model.last_status)
             if plan.targets:
                 rollout = previous_rollout(status, model.last_patch)
@@ -302,9 +320,14 @@ class CycleRunner:
             previous = previous_probe_status(status, model.last_status)
             conds = status.get("conditions")
             share = adapters.compose_adapters(spec, synced, previous, plan.eligible, conds, generation, now)
-        composed = compose(
-            Cycle(out, spec, status, generation, now, model.last_status, model.last_patch, pods, share)
-        )
+        compatible = None
+        if plan is not None and spec.probe.metrics_source.type != "prometheus":
+            verdicts = {pod: v for pod, (_, v) in model.metrics_compat.items()}
+            stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+            conds = status.get("conditions")
+            compatible = compat_condition(verdicts, plan.eligible, conds, generation, stamp)
+        cycle = Cycle(out, spec, status, generation, now, model.last_status, model.last_patch, pods, share)
+        composed = compose(dataclasses.replace(cycle, metrics_compatible=compatible))
         new, patch = composed.status, composed.patch
         log.info(
             "probe %s/%s %s: %s",
@@ -465,7 +488,7 @@ class CycleRunner:
                     reader = prometheus if i == 0 else None
                 else:
                     reader = PodMetrics(http, [t.url], served)
-                return await self.probe_loop.submit(
+                out = await self.probe_loop.submit(
                     run_probe(
                         http,
                         resolve_override(t.url),
@@ -477,6 +500,17 @@ class CycleRunner:
                         memo=memo_of(model, t.name, f"{pod_incarnation(t.pod)} {probe_key}"),
                     )
                 )
+                unreachable = out.failure is not None and out.failure.reason in UNREACHABLE
+                if prometheus is None and not unreachable:
+                    # MetricsCompatible: one whole /metrics per engine incarnation, once the engine answers
+                    # the probe at all (retried in a later cycle when it could not be read).
+                    key = f"{pod_incarnation(t.pod)} {bool(spec.adapters)}"
+                    if model.metrics_compat.get(t.name, ("", None))[0] != key:
+                        base = resolve_override(t.url).base_url
+                        judging = scrape_and_judge(http, base, adapters=bool(spec.adapters))
+                        verdict = await self.probe_loop.submit(judging)
+                        model.metrics_compat[t.name] = (key if verdict.error is None else "", verdict)
+                return out
 
             outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
         outcomes = self.sources.redacted(model.key, *outcomes)

@@ -16,6 +16,7 @@ from typing import Any
 from servedmodel.sim.engine import EngineConfig
 from servedmodel.sim.faults import Faults
 from servedmodel.sim.lora import MAX_LORA_RANKS, LoraConfig, lora_module, runtime_updating_allowed
+from servedmodel.sim.metrics import OLD_METRIC_NAMES
 from servedmodel.sim.server import SimSettings, serve
 
 log = logging.getLogger("servedmodel.sim")
@@ -53,6 +54,14 @@ def human_int(value: str) -> int:
     number, suffix = float(match.group(1)), match.group(2)
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
     return int(number * scale)
+
+
+def metric_rename(value: str) -> tuple[str, str]:
+    """NAME=NEW of --sim-rename-metric."""
+    name, sep, new = value.partition("=")
+    if not sep or not name or not new:
+        raise argparse.ArgumentTypeError(f"expected NAME=NEW, got {value!r}")
+    return name, new
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-malformed-chunk-rate", type=float, default=0.0)
     sim.add_argument("--sim-dead", action="store_true", help="start with a dead engine")
     sim.add_argument("--sim-ignore-stop", action="store_true", help="ignore stop strings (a broken server)")
+    sim.add_argument(
+        "--sim-metric-names",
+        choices=("vllm", "old"),
+        default="vllm",
+        help="/metrics names: vLLM 0.33's, or the older gpu_cache_usage_perc/time_per_output_token ones",
+    )
+    sim.add_argument(
+        "--sim-rename-metric",
+        action="append",
+        type=metric_rename,
+        default=[],
+        metavar="NAME=NEW",
+        help="expose a series under another name (as declared: counters without _total); repeatable",
+    )
     sim.add_argument("--log-level", default="INFO")
 
 
@@ -191,6 +214,10 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         ),
         lora_modules=list(args.lora_modules),
         runtime_lora_updating=runtime_updating_allowed(),
+        metric_renames={
+            **(OLD_METRIC_NAMES if args.sim_metric_names == "old" else {}),
+            **dict(args.sim_rename_metric),
+        },
     )
 
 

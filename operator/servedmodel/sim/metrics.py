@@ -7,7 +7,7 @@ at scrape time; request histograms are observed when a request finishes, like vL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -72,13 +72,33 @@ def observe_many(histogram: Histogram, value: float, count: int) -> None:
             histogram.observe(value)
 
 
+# --sim-metric-names old: the names vLLM used before 0.9's renames (reference: vllm-0.33.md), which the
+# probe still reads as aliases and GIE's endpoint picker, by default, does not.
+OLD_METRIC_NAMES: dict[str, str] = {
+    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
+
+
 class SimMetrics:
     """The registry and every series; implements the engine's Observer."""
 
     def __init__(
-        self, model_name: str, max_model_len: int, cache_config: dict[str, str], max_loras: int | None = None
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_config: dict[str, str],
+        max_loras: int | None = None,
+        renames: Mapping[str, str] | None = None,
     ) -> None:
+        """`renames` (--sim-metric-names, --sim-rename-metric): series exposed under another name, as an
+        engine image that renamed a metric would (names as declared, counters without _total)."""
         self.registry = reg = CollectorRegistry()
+        renamed = dict(renames or {})
+
+        def rn(name: str) -> str:
+            return renamed.get(name, name)
+
         # prometheus_client's default collectors, as on vLLM's global registry (this process's figures)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
             reg.register(collector)
@@ -87,18 +107,18 @@ class SimMetrics:
         token_buckets = build_1_2_5_buckets(max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ln, registry=reg).labels(*lv)
+            return Gauge(rn(name), doc, ln, registry=reg).labels(*lv)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ln, registry=reg).labels(*lv)
+            return Counter(rn(name), doc, ln, registry=reg).labels(*lv)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, ln, buckets=buckets, registry=reg).labels(*lv)
+            return Histogram(rn(name), doc, ln, buckets=buckets, registry=reg).labels(*lv)
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         by_reason = Gauge(
-            "vllm:num_requests_waiting_by_reason",
+            rn("vllm:num_requests_waiting_by_reason"),
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
             "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
             "blocked status). "
@@ -109,7 +129,7 @@ class SimMetrics:
         self.waiting_capacity = by_reason.labels(*lv, "capacity")
         self.waiting_deferred = by_reason.labels(*lv, "deferred")
         sleep = Gauge(
-            "vllm:engine_sleep_state",
+            rn("vllm:engine_sleep_state"),
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
             "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
             [*ln, "sleep_state"],
@@ -150,7 +170,7 @@ class SimMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         by_source = Counter(
-            "vllm:prompt_tokens_by_source",
+            rn("vllm:prompt_tokens_by_source"),
             "Number of prompt tokens by source.",
             [*ln, "source"],
             registry=reg,
@@ -160,7 +180,7 @@ class SimMetrics:
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
         cached_by_source = Counter(
-            "vllm:prompt_tokens_cached_by_source",
+            rn("vllm:prompt_tokens_cached_by_source"),
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
             "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
             "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
@@ -171,14 +191,14 @@ class SimMetrics:
         self.cached_by_source = {s: cached_by_source.labels(*lv, s) for s in CACHE_HIT_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
-            "vllm:request_success",
+            rn("vllm:request_success"),
             "Count of successfully processed requests.",
             [*ln, "finished_reason"],
             registry=reg,
         )
         self.success = {r: success.labels(*lv, r) for r in FINISH_REASONS}
         rejections = Counter(
-            "vllm:admission_rejections",
+            rn("vllm:admission_rejections"),
             "Number of admission attempts rejected by a queue limit, by reason.",
             ["model_name", "reason"],
             registry=reg,
@@ -253,7 +273,7 @@ class SimMetrics:
             token_buckets,
         )
         info = Gauge(
-            "vllm:cache_config_info",
+            rn("vllm:cache_config_info"),
             "Information of the LLMEngine CacheConfig",
             [*sorted(cache_config), "engine"],
             registry=reg,
@@ -301,7 +321,7 @@ class SimMetrics:
         self.max_loras = str(max_loras)
         if max_loras is not None:
             self.lora_info = Gauge(
-                "vllm:lora_requests_info",
+                rn("vllm:lora_requests_info"),
                 "Running stats on lora requests.",
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                 registry=reg,

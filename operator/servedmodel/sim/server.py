@@ -61,6 +61,8 @@ class SimSettings:
     lora_modules: list[LoraModule] = dataclasses.field(default_factory=list)  # loaded at start-up
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter exist
     runtime_lora_updating: bool = False
+    # --sim-metric-names / --sim-rename-metric: /metrics series under other names (declared name -> shown)
+    metric_renames: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -163,7 +165,11 @@ class Simulator:
         }
         lora = settings.lora
         self.metrics = SimMetrics(
-            self.model_name, cfg.max_model_len, cache_info, lora.max_loras if lora is not None else None
+            self.model_name,
+            cfg.max_model_len,
+            cache_info,
+            lora.max_loras if lora is not None else None,
+            renames=settings.metric_renames,
         )
         self.engine = Engine(cfg, self.tokenizer, self.metrics)
         self.engine.max_loras = lora.max_loras if lora is not None else None
