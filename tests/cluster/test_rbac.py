@@ -449,6 +449,8 @@ EXPECTED_RIGHTS = {
     ("horizontalpodautoscalers.autoscaling", "[get list watch create patch delete]"),
     ("scaledobjects.keda.sh", "[list watch create patch delete]"),
     ("triggerauthentications.keda.sh", "[list watch create patch delete]"),
+    ("inferencepools.inference.networking.k8s.io", "[list create patch delete]"),
+    ("inferenceobjectives.inference.networking.x-k8s.io", "[list create patch delete]"),
     ("tokenreviews.authentication.k8s.io", "[create]"),
     ("subjectaccessreviews.authorization.k8s.io", "[create]"),
 }
