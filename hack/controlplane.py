@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -41,6 +40,9 @@ from types import TracebackType
 from typing import Any
 
 HACK_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(HACK_DIR.parent / "operator"))  # servedmodel, where it is not installed
+from servedmodel.sim.ports import free_ports as _free_ports  # noqa: E402  (standard library only)
+
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 BINARIES = (*COMPONENTS, "kubectl")
 STAGE_FILES = (
@@ -117,17 +119,9 @@ def missing_binaries(bin_dir: Path | None = None) -> list[str]:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (bound together so the kernel hands out different ones)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free loopback ports, below the kernel's ephemeral range (servedmodel.sim.ports: a port
+    bind(0) hands out can be taken by any outgoing connection's source port before it is bound)."""
+    return _free_ports(n)
 
 
 # --- process bookkeeping -------------------------------------------------------------------------

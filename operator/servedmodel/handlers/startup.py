@@ -139,6 +139,17 @@ def holder_identity() -> str:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    try:
+        await _start(settings, memo, logger)
+    except BaseException:
+        # kopf runs a failed startup again (60 s later): what this try started is stopped first, or the
+        # next try finds its own metrics port bound (a CI run's operator never started so) and its
+        # informers running twice.
+        await _stop(memo)
+        raise
+
+
+async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger) -> None:
     config = operator_config(memo)
     settings.persistence.diffbase_storage = NoDiffBase()
     # Events are posted by the reconciler itself (before the status write that records the transition).
@@ -273,6 +284,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await _stop(memo)
+
+
+async def _stop(memo: kopf.Memo) -> None:
+    """Stop whatever _start started, as far as it got (each part only if it is there)."""
     from .prober import stop_scheduler
 
     supervisor = getattr(memo, "supervisor", None)
@@ -293,10 +309,16 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     client = getattr(memo, "client", None)
     if isinstance(client, KubeClient):
         await client.aclose()
-    served = getattr(memo, "metrics_server", None)
+    await _close_servers(memo)
+
+
+async def _close_servers(memo: kopf.Memo) -> None:
+    """Stop the metrics and health servers, if any (cleanup, and a startup that runs again)."""
+    served, memo.metrics_server = getattr(memo, "metrics_server", None), None
     if served is not None:
         server, _thread = served
         await asyncio.to_thread(server.shutdown)
-    runner = getattr(memo, "health_server", None)
+        server.server_close()
+    runner, memo.health_server = getattr(memo, "health_server", None), None
     if runner is not None:
         await runner.cleanup()
