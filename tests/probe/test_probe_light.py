@@ -81,6 +81,11 @@ def verdicts(out: ProbeOutcome) -> dict[str, tuple[str, str]]:
     return {k: (c.result, c.reason) for k, c in out.checks.items()}
 
 
+def carried(out: ProbeOutcome) -> dict[str, tuple[str, str]]:
+    """The checks whose evidence a light cycle takes from the last full path."""
+    return {k: v for k, v in verdicts(out).items() if k in ("limits", "template", "stop")}
+
+
 async def test_a_full_path_then_light_cycles_with_the_same_verdicts_then_the_full_path_again(
     engine: SimulatorProcess, probe: Probe
 ) -> None:
@@ -93,14 +98,17 @@ async def test_a_full_path_then_light_cycles_with_the_same_verdicts_then_the_ful
         light, sent = await probe.cycle(engine.base_url)
         assert light.failure is None, light.failure
         assert sent == LIGHT
-        assert verdicts(light) == verdicts(full)
+        # The verdicts a light cycle takes from the full path; streaming and usage are judged on each
+        # cycle's own stream and window (a loaded machine may skip streaming: ProbeLoopStalled).
+        assert carried(light) == carried(full)
+        assert set(light.checks) == set(full.checks)
         assert (light.model, light.max_model_len) == (full.model, full.max_model_len)
         assert light.figures is not None
         assert light.figures.ttft_ms is not None
         assert light.window is not None
     again, sent = await probe.cycle(engine.base_url)
     assert set(sent) == FULL
-    assert verdicts(again) == verdicts(full)
+    assert carried(again) == carried(full)
 
 
 async def test_a_refused_chat_on_a_light_cycle_is_named_by_the_door_as_the_full_path_would(
