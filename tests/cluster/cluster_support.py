@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -119,3 +120,38 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
         if c.get("type") == type_:
             return dict(c)
     return {}
+
+
+@contextmanager
+def crds_installed(
+    cp: controlplane.ControlPlane, fetch: Callable[[], list[Path]], names: Sequence[str], what: str
+) -> Iterator[None]:
+    """Third-party CRDs (`fetch` gives their files: hack/olm_tools.py) applied and established, removed
+    afterwards so the rest of the session does not discover their API group; `what` names them when the
+    fetch fails (absent: a skip locally, a failure in CI)."""
+    try:
+        paths = fetch()
+    except olm_tools.ToolUnavailable as e:
+        absent(f"{what} unavailable: {e}")
+    args = [a for p in paths for a in ("-f", str(p))]
+    cp.kubectl("apply", "--server-side", *args)
+    for crd in names:
+        cp.wait_established(crd)
+    try:
+        yield
+    finally:
+        cp.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
+
+
+def golden_dry_run(
+    cp: controlplane.ControlPlane, namespace: str, case: str, keep: Callable[[dict[str, Any]], bool]
+) -> tuple[list[dict[str, Any]], str]:
+    """The objects of tests/golden/expected/<case>.yaml that `keep` picks, in `namespace` and without the
+    owner reference (no ServedModel here), through a server-side dry-run apply: (them, kubectl's output)."""
+    golden = Path(__file__).resolve().parents[1] / "golden" / "expected" / f"{case}.yaml"
+    docs = [d for d in yaml.safe_load_all(golden.read_text()) if d and keep(d)]
+    for d in docs:
+        d["metadata"]["namespace"] = namespace
+        d["metadata"].pop("ownerReferences")
+    res = cp.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(docs))
+    return docs, res.stdout

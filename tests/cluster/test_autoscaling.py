@@ -29,11 +29,11 @@ from autoscaling_support import (
     adapter_binary,
     engine_metric,
 )
-from cluster_support import ProbingOperator, apply, condition, served_model
+from cluster_support import ProbingOperator, apply, condition, crds_installed, golden_dry_run, served_model
 
 import controlplane
 from loopback import prometheus_missing
-from required import absent, need
+from required import need
 from servedmodel.api import names
 from servedmodel.scaling import HANDOVER_MANAGER
 from servedmodel.sim.process import SimulatorProcess
@@ -464,33 +464,20 @@ def test_probe_ttft_p95_reaches_the_hpa_as_an_object_metric(
 def keda_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
     """KEDA's ScaledObject and TriggerAuthentication CRDs (github.com/kedacore/keda/v2 config/crd), removed
     afterwards so the rest of the session discovers no keda.sh."""
-    try:
-        paths = [olm_tools.keda_crd(p) for p in ("scaledobjects", "triggerauthentications")]
-    except olm_tools.ToolUnavailable as e:
-        absent(f"KEDA CRDs unavailable: {e}")
-    args = [a for p in paths for a in ("-f", str(p))]
-    control_plane.kubectl("apply", "--server-side", *args)
-    for crd in ("scaledobjects.keda.sh", "triggerauthentications.keda.sh"):
-        control_plane.wait_established(crd)
-    try:
+    fetch = lambda: [olm_tools.keda_crd(p) for p in ("scaledobjects", "triggerauthentications")]  # noqa: E731
+    names = ("scaledobjects.keda.sh", "triggerauthentications.keda.sh")
+    with crds_installed(control_plane, fetch, names, "KEDA CRDs"):
         yield
-    finally:
-        control_plane.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
 
 
 def test_keda_crds_accept_the_rendered_golden_objects(
     control_plane: controlplane.ControlPlane, namespace: str, keda_crds: None
 ) -> None:
-    golden = ROOT / "tests" / "golden" / "expected" / "keda-openshift.yaml"
-    docs = [d for d in yaml.safe_load_all(golden.read_text()) if d and d["apiVersion"].startswith("keda.sh/")]
-    assert {d["kind"] for d in docs} == {"ScaledObject", "TriggerAuthentication"}
-    for d in docs:
-        d["metadata"]["namespace"] = namespace
-        d["metadata"].pop("ownerReferences")
-    res = control_plane.kubectl(
-        "apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(docs)
+    docs, out = golden_dry_run(
+        control_plane, namespace, "keda-openshift", lambda d: d["apiVersion"].startswith("keda.sh/")
     )
-    assert "serverside-applied (server dry run)" in res.stdout, res.stdout
+    assert {d["kind"] for d in docs} == {"ScaledObject", "TriggerAuthentication"}
+    assert "serverside-applied (server dry run)" in out, out
 
 
 def test_keda_scaled_object_and_scale_to_zero_without_probe_traffic(

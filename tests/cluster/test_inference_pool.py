@@ -20,12 +20,10 @@ from typing import Any
 import cluster_support
 import httpx
 import pytest
-import yaml
-from cluster_support import apply, served_model
+from cluster_support import apply, crds_installed, golden_dry_run, served_model
 
 import controlplane
 import olm_tools
-from required import absent
 from rollout_rig import write_override
 from servedmodel.api import names
 from servedmodel.api.probe import READINESS_GATE_CONDITION
@@ -43,33 +41,19 @@ PROBE = {"interval": 5, "readinessGate": True, "firstByteTimeout": 2, "timeout":
 def gie_crds(control_plane: controlplane.ControlPlane) -> Iterator[None]:
     """InferencePool and InferenceObjective CRDs, removed afterwards so the rest of the session discovers
     no inference.networking.k8s.io."""
-    try:
-        paths = [olm_tools.gie_crd(p) for p in ("inferencepools", "inferenceobjectives")]
-    except olm_tools.ToolUnavailable as e:
-        absent(f"Gateway API Inference Extension CRDs unavailable: {e}")
-    args = [a for p in paths for a in ("-f", str(p))]
-    control_plane.kubectl("apply", "--server-side", *args)
-    for crd in CRDS:
-        control_plane.wait_established(crd)
-    try:
+    fetch = lambda: [olm_tools.gie_crd(p) for p in ("inferencepools", "inferenceobjectives")]  # noqa: E731
+    with crds_installed(control_plane, fetch, CRDS, "Gateway API Inference Extension CRDs"):
         yield
-    finally:
-        control_plane.kubectl("delete", "--ignore-not-found", "--wait=true", *args, check=False)
 
 
 def test_gie_crds_accept_the_rendered_golden_objects(
     control_plane: controlplane.ControlPlane, namespace: str, gie_crds: None
 ) -> None:
-    golden = ROOT / "tests" / "golden" / "expected" / "inference-pool.yaml"
-    docs = [d for d in yaml.safe_load_all(golden.read_text()) if d and d["kind"].startswith("Inference")]
-    assert {d["kind"] for d in docs} == {"InferencePool", "InferenceObjective"}
-    for d in docs:
-        d["metadata"]["namespace"] = namespace
-        d["metadata"].pop("ownerReferences")
-    res = control_plane.kubectl(
-        "apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(docs)
+    docs, out = golden_dry_run(
+        control_plane, namespace, "inference-pool", lambda d: d["kind"].startswith("Inference")
     )
-    assert res.stdout.count("serverside-applied (server dry run)") == 2, res.stdout
+    assert {d["kind"] for d in docs} == {"InferencePool", "InferenceObjective"}
+    assert out.count("serverside-applied (server dry run)") == 2, out
 
 
 def condition_of(pod: dict[str, Any], type_: str) -> str | None:
