@@ -506,27 +506,53 @@ def timed(name: str, ttft: float, tpot: float = 2.0) -> PodResult:
 def test_latency_regression_against_the_proven_revisions_pods(
     new: PodResult, baseline: list[PodResult], held: str | None
 ) -> None:
-    assert_verdict(replicas.latency_regression(new, baseline, 1.5), held)
+    verdict = replicas.latency_regression(new, baseline, 1.5)
+    assert verdict is None or verdict[0] == "LatencyRegression"
+    assert_verdict(verdict[1] if verdict else None, held)
 
 
-def test_latency_regression_ignores_figures_a_stall_of_the_probe_took() -> None:
+def test_figures_a_stall_of_the_probe_took_are_not_compared_and_hold_the_gate() -> None:
+    """A new pod whose figures a stall of the probe's own loop took is neither judged slow nor let
+    through: LatencyNotCompared until a cycle compares it. A stalled baseline pod is left out of the
+    median; a stall that took only the decode still lets TTFT convict."""
     slow = timed("n", 90.0)
     slow.outcome.probe_stall_first_token = True
-    assert replicas.latency_regression(slow, [timed("o1", 30.0)], 1.5) is None
+    slow.outcome.probe_stall_ms = 412.0
+    verdict = replicas.latency_regression(slow, [timed("o1", 30.0)], 1.5)
+    assert verdict is not None
+    assert verdict[0] == "LatencyNotCompared"
+    assert verdict[1].startswith("TTFT and TPOT not compared")
+    assert "stalled 412 ms" in verdict[1]
+    decode_only = timed("n", 30.0, tpot=200.0)
+    decode_only.outcome.probe_stall_decode = True
+    verdict = replicas.latency_regression(decode_only, [timed("o1", 30.0)], 1.5)
+    assert verdict is not None
+    assert verdict[0] == "LatencyNotCompared"
+    assert verdict[1].startswith("TPOT not")
+    assert decode_only.outcome.figures is not None
+    decode_only.outcome.figures = replace(decode_only.outcome.figures, ttft_ms=120.0)
+    verdict = replicas.latency_regression(decode_only, [timed("o1", 30.0)], 1.5)
+    assert verdict is not None
+    assert verdict[0] == "LatencyRegression"
+    assert replicas.latency_regression(slow, [], 1.5) is None  # nothing to compare with either way
+    stalled_old = timed("o2", 5.0)
+    stalled_old.outcome.probe_stall_first_token = True
+    assert replicas.latency_regression(timed("n", 40.0), [timed("o1", 30.0), stalled_old], 1.5) is None
 
 
 def test_a_held_pod_keeps_its_gate_closed_and_an_open_one_is_not_closed() -> None:
     """A new revision's pod that serves and passes its checks but is slower stays out (LatencyRegression,
     the guard's message); without the hold it opens; an open gate is not closed by it."""
     ok, _, _ = results()
-    held = replicas.gate_condition(ok, replicas.pod_entry(ok, None), pod("q-a"), T0, held="TTFT x3")
+    why = ("LatencyRegression", "TTFT x3")
+    held = replicas.gate_condition(ok, replicas.pod_entry(ok, None), pod("q-a"), T0, held=why)
     assert held is not None
     assert (held["status"], held["reason"], held["message"]) == ("False", "LatencyRegression", "TTFT x3")
     opened, _ = gate(ok, pod("q-a", gate=held))
     assert opened is not None
     assert opened["status"] == "True"
     entry = replicas.pod_entry(ok, None)
-    assert replicas.gate_condition(ok, entry, pod("q-a", gate=opened), T0, held="TTFT x3") is None
+    assert replicas.gate_condition(ok, entry, pod("q-a", gate=opened), T0, held=why) is None
 
 
 def test_fingerprints_kept_per_revision_and_a_change_is_said_once() -> None:

@@ -206,16 +206,17 @@ def _gates(c: Cycle, new: ProbeStatus, rollout: RolloutStatus | None) -> dict[st
     return gates
 
 
-def _latency_held(c: Cycle, rollout: RolloutStatus | None) -> dict[str, str]:
-    """Pod name -> why its closed gate stays closed: a pod of a revision other than the last proven one,
-    slower than that revision's serving pods probed in this cycle (replicas.latency_regression)."""
+def _latency_held(c: Cycle, rollout: RolloutStatus | None) -> dict[str, tuple[str, str]]:
+    """Pod name -> why its closed gate stays closed (reason, message): a pod of a revision other than the
+    last proven one, slower than that revision's serving pods probed in this cycle, or not comparable with
+    them this cycle (replicas.latency_regression)."""
     assert c.pods is not None
     proven = rollout.last_proven_revision if rollout is not None else None
     if proven is None:
         return {}
     revision = {r.name: pod_revision(c.pods.by_name.get(r.name)) for r in c.pods.probed}
     baseline = [r for r in c.pods.probed if r.serving and revision[r.name] == proven]
-    held: dict[str, str] = {}
+    held: dict[str, tuple[str, str]] = {}
     for r in c.pods.probed:
         if r.serving and revision[r.name] not in (None, proven):
             why = latency_regression(r, baseline, c.spec.rollout.max_latency_regression)

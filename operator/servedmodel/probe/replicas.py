@@ -74,6 +74,8 @@ NOT_CLOSING: Final = frozenset({errors.PROMPT_TOO_LONG})
 CHECKS_FAILED: Final = "ChecksFailed"
 # A new revision's pod's gate stays closed: it serves, but slower than the last proven revision's pods.
 LATENCY_REGRESSION: Final = "LatencyRegression"
+# ... or its figures could not be compared this cycle: a stall of the probe's own loop took them.
+LATENCY_NOT_COMPARED: Final = "LatencyNotCompared"
 # Below these a difference is the machine's noise whatever the ratio (a 4 ms TTFT that became 7 ms).
 LATENCY_NOISE_MS: Final = {"TTFT": 20.0, "TPOT": 5.0}
 # The Event when a new revision's chat template renders the reference conversation differently.
@@ -392,14 +394,19 @@ def pod_revision(pod: Mapping[str, Any] | None) -> str | None:
     return str(revision) if revision else None
 
 
-def latency_regression(r: PodResult, baseline: Sequence[PodResult], max_ratio: float) -> str | None:
-    """Why `r`, a new revision's pod, is too slow next to `baseline` (the last proven revision's serving
-    pods probed in the same cycle), or None: its TTFT or TPOT above max_ratio times their median and above
-    it by more than LATENCY_NOISE_MS. Figures a stall of the probe's own loop took are not compared."""
+def latency_regression(
+    r: PodResult, baseline: Sequence[PodResult], max_ratio: float
+) -> tuple[str, str] | None:
+    """Why `r`, a new revision's pod, keeps its closed gate closed next to `baseline` (the last proven
+    revision's serving pods probed in the same cycle), as (reason, message), or None. LatencyRegression:
+    its TTFT or TPOT above max_ratio times their median and above it by more than LATENCY_NOISE_MS.
+    LatencyNotCompared: a stall of the probe's own loop took its figures, so this cycle cannot tell a slow
+    engine from a slow prober (the next one compares again). Baseline figures a stall took are left out."""
 
     def figure(x: PodResult, attr: str) -> float | None:
-        fig = x.outcome.figures
-        if fig is None or x.outcome.stall_took_figures:
+        # A stall before the first token took TTFT and TPOT (TPOT runs from it); one in the decode, TPOT.
+        fig, out = x.outcome.figures, x.outcome
+        if fig is None or out.probe_stall_first_token or (attr == "tpot_ms" and out.probe_stall_decode):
             return None
         value: float | None = getattr(fig, attr)
         return value
@@ -412,11 +419,18 @@ def latency_regression(r: PodResult, baseline: Sequence[PodResult], max_ratio: f
         median = statistics.median(old)
         if new > max_ratio * median and new - median > LATENCY_NOISE_MS[label]:
             ratio = f"x{new / median:.1f}" if median > 0 else "from 0"
-            return (
+            return LATENCY_REGRESSION, (
                 f"{label} {new:.1f} ms against {median:.1f} ms, the median of {len(old)} pod(s) of the last "
                 f"proven revision probed in this cycle: {ratio} > x{max_ratio:g} "
                 "(spec.rollout.maxLatencyRegression)"
             )
+    if r.outcome.stall_took_figures and any(figure(b, "ttft_ms") is not None for b in baseline):
+        taken = "TTFT and TPOT" if r.outcome.probe_stall_first_token else "TPOT"
+        return LATENCY_NOT_COMPARED, (
+            f"{taken} not compared with the last proven revision's pods this cycle: the probe's own loop "
+            f"stalled {r.outcome.probe_stall_ms or 0:.0f} ms while it read this pod's stream "
+            "(spec.rollout.maxLatencyRegression is checked again next cycle)"
+        )
     return None
 
 
@@ -428,13 +442,13 @@ def gate_condition(
     *,
     failure_threshold: int = 1,
     success_threshold: int = 1,
-    held: str | None = None,
+    held: tuple[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """The readiness-gate pod condition to write for this pod after its cycle (`entry`: its counts in
     status.probe.pods[]), None when what it has is still right: an open gate stays open until
     failure_threshold engine failures in a row, a closed or new one opens after success_threshold
     successes in a row, and an operator-side failure changes nothing. `held`: why a closed gate stays
-    closed although the pod serves and its checks pass (latency_regression's message)."""
+    closed although the pod serves and its checks pass (latency_regression's reason and message)."""
     if r.operator_side:
         return None
     conds = (pod.get("status") or {}).get("conditions") or []
@@ -452,7 +466,7 @@ def gate_condition(
         elif failed:
             status, reason, message = "False", CHECKS_FAILED, "; ".join(failed)
         elif held is not None:
-            status, reason, message = "False", LATENCY_REGRESSION, held
+            status, (reason, message) = "False", held
         elif entry.consecutive_successes >= success_threshold:
             status, reason, message = "True", "ChatCompletionSucceeded", r.message
         else:
