@@ -28,6 +28,15 @@ _.current_replicas  # status.autoscaling
 _.desired_replicas  # status.autoscaling (a printer column)
 _.adapters_serving  # status.probe.adaptersServing (the Adapters printer column)
 _.last_scale  # status.autoscaling
+_.scheduled_seconds  # status.startup's stages: read by name (probe/startup.stage_field), not by attribute
+_.initialized_seconds  # status.startup
+_.image_pulled_seconds  # status.startup
+_.container_started_seconds  # status.startup
+_.containers_ready_seconds  # status.startup
+_.engine_healthy_seconds  # status.startup
+_.first_token_seconds  # status.startup
+_.p50  # status.startup.p50
+_.p95  # status.startup.p95
 
 # Framework hooks: called or read by the library, not by us.
 _.ignore_aliases  # PyYAML's Dumper hook (api/crd.py: no anchors in a CRD)

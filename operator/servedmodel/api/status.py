@@ -1,7 +1,7 @@
 """status of a ServedModel. Two writers share it through server-side apply: the reconciler (phase,
 replicas, ready, endpoint, selector, autoscaling and the Ready/Progressing/Degraded/InvalidSpec
 conditions) and the probe (status.probe, status.rollout and its conditions: Serving, TemplateOK,
-LatencySLOMet, EngineStalled, KVCachePressure, ProbeUnreliable).
+LatencySLOMet, EngineStalled, KVCachePressure, ProbeUnreliable; status.startup).
 `conditions` is a list-map keyed by type, so each field manager owns its own entries.
 """
 
@@ -14,6 +14,7 @@ from pydantic import Field
 from .autoscaling import AutoscalingStatus
 from .base import ApiModel, Condition
 from .probe import ProbeStatus, RolloutStatus
+from .startup import StartupStatus
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 PHASES: tuple[Phase, ...] = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
@@ -71,4 +72,8 @@ class ServedModelStatus(ApiModel):
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="What the autoscaler (HPA, or KEDA's) did, while spec.autoscaling is set."
+    )
+    startup: StartupStatus | None = Field(
+        default=None,
+        description="Where the engine pods' cold starts went: the last start's stages, p50/p95 (the probe).",
     )

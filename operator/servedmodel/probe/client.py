@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -254,6 +254,10 @@ class ProbeOutcome:
     # The chat template's rendering of spec.probe.messages as written (no nonce): "sha256:<16 hex>/<n>"
     # over the token ids, n of them. Taken only when asked (once per engine revision, by the rollout gate).
     template_fingerprint: str | None = None
+    # Wall-clock moments for the startup timeline (probe/startup.py): GET /health answered 200 (a full
+    # cycle's door only), and the first content token of this cycle's first stream.
+    healthy_at: datetime | None = None
+    first_token_at: datetime | None = None
 
     @property
     def ok(self) -> bool:
@@ -387,6 +391,8 @@ async def door(
         raise ProbeFailure(errors.ENGINE_UNHEALTHY, "GET /health: 503, the engine is dead or not loaded")
     if r.status_code != 200 and r.status_code != 404:  # 404: an OpenAI-compatible server without /health
         raise errors.classify_status(r.status_code, r.body, "GET /health")
+    if r.status_code == 200:
+        out.healthy_at = datetime.now(UTC)
     step = "GET /v1/models"
     r = await _get(client, f"{base}/v1/models", step, bounds.MODELS_MAX_BYTES, deadline_s, api_key)
     if r.status_code != 200:
@@ -700,6 +706,15 @@ async def run_probe(
             await watching
 
 
+def _first_token_at(timings: Sequence[StreamTiming]) -> datetime | None:
+    """The wall-clock moment of the earliest first token among the streams (their clock is monotonic)."""
+    firsts = [t.first_token_ns for t in timings if t.first_token_ns is not None]
+    if not firsts:
+        return None
+    ago_ns = time.monotonic_ns() - min(firsts)
+    return datetime.now(UTC) - timedelta(microseconds=max(0, ago_ns) / 1000)
+
+
 async def _run_probe(
     client: httpx.AsyncClient,
     target: ProbeTarget,
@@ -745,6 +760,7 @@ async def _run_probe(
                 )
             )
             out.timings = list(timings)
+            out.first_token_at = _first_token_at(out.timings)
     except ProbeFailure as f:
         out.failure = f
     except TimeoutError:

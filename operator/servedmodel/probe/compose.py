@@ -5,6 +5,8 @@ One call (`compose`) turns what a cycle found into everything the probe writes:
 - status.probe (report.build_status over the window; with pods, replicas.summarize's "k/n");
 - its conditions: Serving, TemplateOK, LatencySLOMet (report.probe_conditions), and with pods
   EngineStalled, KVCachePressure, ProbeUnreliable (replicas.replica_conditions);
+- status.startup: the starts whose first token came in this cycle (probe/startup.py), added to the
+  recent ones with their p50/p95;
 - with the readiness gate, each probed pod's gate condition (replicas.gate_condition, the latency guard's
   hold included), then status.rollout and RolloutBlocked from the pods as those gates leave them, and the
   TemplateChanged message when this cycle's fingerprint says the template changed.
@@ -30,6 +32,7 @@ from servedmodel.api.conditions import ROLLOUT_BLOCKED
 from servedmodel.api.conditions import find as find_condition
 from servedmodel.api.probe import READINESS_GATE_CONDITION, ProbeSpec, ProbeStatus, RolloutStatus
 from servedmodel.api.spec import ServedModelSpec
+from servedmodel.api.startup import StartupStatus, StartupTimeline
 
 from .client import ProbeOutcome
 from .replicas import (
@@ -45,6 +48,7 @@ from .replicas import (
     template_change,
 )
 from .report import build_status, probe_conditions
+from .startup import summarize_starts
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Cycle:
     pods: Pods | None = None  # None: external mode (one endpoint, no pods)
     adapters: AdapterShare | None = None  # None: no spec.adapters
     metrics_compatible: dict[str, Any] | None = None  # the MetricsCompatible condition (probe/compat.py)
+    startups: Sequence[StartupTimeline] = ()  # pods whose start ended in this cycle (probe/startup.py)
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Composed:
     patch: dict[str, Any]  # status.probe, conditions (and status.rollout): one server-side apply
     gates: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> its gate condition to write
     template_changed: str | None = None  # the TemplateChanged Event's message
+    started: list[StartupTimeline] = field(default_factory=list)  # starts new to status.startup
 
 
 def previous_probe_status(
@@ -118,6 +124,19 @@ def previous_rollout(status: Mapping[str, Any], last_patch: Mapping[str, Any] | 
     return RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None
 
 
+def previous_startup(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None) -> StartupStatus | None:
+    """status.startup as this scheduler last wrote it (newer than the cache's copy may be), else as read."""
+    previous = status.get("startup")
+    if last_patch is not None and isinstance(last_patch.get("startup"), dict):
+        previous = last_patch["startup"]
+    if not isinstance(previous, dict):
+        return None
+    try:
+        return StartupStatus.model_validate(previous)
+    except ValidationError:
+        return None  # an older schema: start afresh
+
+
 def status_patch(
     out: ProbeOutcome,
     probe: ProbeSpec,
@@ -136,6 +155,7 @@ def compose(c: Cycle) -> Composed:
     """Everything the probe writes after this cycle (see the module docstring)."""
     if c.pods is None:
         new, patch = status_patch(c.outcome, c.spec.probe, c.status, c.generation, c.last_status, c.now)
+        keep_startup(c.status, patch)
         return Composed(new, patch)
     previous = previous_probe_status(c.status, c.last_status)
     old_pods = list(previous.pods or []) if previous is not None else []
@@ -159,7 +179,16 @@ def compose(c: Cycle) -> Composed:
         _rollout(c, composed, rollout)
     if "rollout" not in patch:
         keep_rollout(c.status, patch)
+    startup, composed.started = summarize_starts(previous_startup(c.status, c.last_patch), c.startups)
+    if startup is not None:
+        patch["startup"] = startup.model_dump(by_alias=True, exclude_none=True)
     return composed
+
+
+def keep_startup(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
+    """status.startup as it is, into a write that adds no start (server-side apply drops what we omit)."""
+    if isinstance(status.get("startup"), dict):
+        patch["startup"] = status["startup"]
 
 
 def keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:

@@ -35,10 +35,11 @@ from servedmodel.api.conditions import find as find_condition
 from servedmodel.api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels
 from servedmodel.api.probe import ProbeSpec, ProbeStatus, RolloutStatus, rollout_verdict
 from servedmodel.api.spec import ServedModelSpec
+from servedmodel.api.startup import StartupTimeline
 from servedmodel.config import OperatorConfig
 from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
 from servedmodel.k8s.reader import Reader
-from servedmodel.probe import errors
+from servedmodel.probe import errors, startup
 from servedmodel.probe.client import (
     PROBE_LOOP_STALLED,
     MetricsReader,
@@ -55,6 +56,7 @@ from servedmodel.probe.compose import (
     Pods,
     compose,
     keep_rollout,
+    keep_startup,
     previous_probe_status,
     previous_rollout,
 )
@@ -140,6 +142,7 @@ class Model:
     # pod -> (its incarnation and whether adapters are declared, the verdict on its /metrics): judged once
     metrics_compat: dict[str, tuple[str, Compatibility]] = field(default_factory=dict)
     rotation: int = 0  # where the next bounded rotation over many pods starts
+    starts: dict[str, startup.StartTrack] = field(default_factory=dict)  # pod -> its start, as probed
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ class CycleRunner:
             return await self._at_zero(model, body, status)
         generation = (body.get("metadata") or {}).get("generation")
         probed: list[PodResult] = []
+        started: list[StartupTimeline] = []
         plan: _Plan | None = None
         synced: dict[str, adapters.PodAdapters] | None = None
         if spec.external:
@@ -282,10 +286,12 @@ class CycleRunner:
             plan = await self._plan(model, spec)
             model.paths = {pod: m for pod, m in model.paths.items() if pod in plan.pods}
             model.metrics_compat = {p: v for p, v in model.metrics_compat.items() if p in plan.pods}
+            model.starts = {p: t for p, t in model.starts.items() if p in plan.pods}
             previous = previous_probe_status(status, model.last_status)
             if plan.targets:
                 rollout = previous_rollout(status, model.last_patch)
                 probed = await self._probe_pods(model, spec, plan.targets, rollout)
+                started = await self._startups(model, probed, plan, previous)
                 out = aggregate(probed)
                 if spec.adapters:  # loaded, unloaded and probed on the pods that serve (prober/adapters.py)
                     targets = [adapters.Target(t.name, t.url, pod_incarnation(t.pod)) for t in plan.targets]
@@ -327,7 +333,9 @@ class CycleRunner:
             conds = status.get("conditions")
             compatible = compat_condition(verdicts, plan.eligible, conds, generation, stamp)
         cycle = Cycle(out, spec, status, generation, now, model.last_status, model.last_patch, pods, share)
-        composed = compose(dataclasses.replace(cycle, metrics_compatible=compatible))
+        composed = compose(dataclasses.replace(cycle, metrics_compatible=compatible, startups=started))
+        for start in composed.started:
+            self.metrics.record_start(namespace, name, start)
         new, patch = composed.status, composed.patch
         log.info(
             "probe %s/%s %s: %s",
@@ -527,6 +535,45 @@ class CycleRunner:
             self.metrics.pod_probes.labels(namespace, name, r.reason).inc()
         return results
 
+    async def _startups(
+        self, model: Model, probed: list[PodResult], plan: _Plan, previous: ProbeStatus | None
+    ) -> list[StartupTimeline]:
+        """The starts this cycle ended (a pod's first real token, probe/startup.py), each with its pod's
+        Events read once (its image pulled). A pod the status already calls serving at first sight is
+        not a start this scheduler saw."""
+        namespace, _ = model.key
+        served = {p.name for p in (previous.pods or []) if p.serving == "True"} if previous else set()
+        ended: list[StartupTimeline] = []
+        for r in probed:
+            pod = plan.pods.get(r.name)
+            if pod is None:
+                continue
+            before = model.starts.get(r.name)
+            track, done = startup.observe(before, pod_incarnation(pod), r.outcome, r.name in served)
+            model.starts[r.name] = track
+            if done and track.first_token_at is not None:
+                events = await self._pod_events(namespace, pod)
+                start = startup.timeline(pod, events, track.healthy_at, track.first_token_at)
+                if start is not None:
+                    ended.append(start)
+        return ended
+
+    async def _pod_events(self, namespace: str, pod: Obj) -> list[Obj]:
+        """The pod's Events (one list, by its uid); none where they cannot be read."""
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not uid:
+            return []
+        try:
+            found = await self.kube.list(
+                "v1", "events", namespace, field_selector={"involvedObject.uid": uid}
+            )
+        except ApiError as exc:
+            log.debug(
+                "events of pod %s/%s: %s %s", namespace, pod["metadata"].get("name"), exc.status, exc.reason
+            )
+            return []
+        return list(found)
+
     async def _after_pods(
         self,
         model: Model,
@@ -629,6 +676,7 @@ class CycleRunner:
         if isinstance(status.get("probe"), dict):
             patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
         keep_rollout(status, patch)
+        keep_startup(status, patch)
         if await self._write(model, body, patch, None):
             result.written = True
             self._enqueue(model.key)

@@ -8,8 +8,10 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from servedmodel.api.startup import StartupTimeline
 from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.report import publishable_figures
+from servedmodel.probe.startup import TOTAL, stage_seconds
 
 
 class ProbeMetrics:
@@ -132,6 +134,22 @@ class ProbeMetrics:
             labels,
             registry=registry,
         )
+        self.cold_start = Histogram(
+            "servedmodel_cold_start_seconds",
+            "Engine pods' cold starts (status.startup), seconds: stage=total is pod creation to the probe's "
+            "first real token; each other stage is how long that stage took (scheduled, initialized, "
+            "imagePulled, containerStarted, containersReady, engineHealthy, firstToken), adding up to total.",
+            [*labels, "stage"],
+            buckets=(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0),
+            registry=registry,
+        )
+
+    def record_start(self, namespace: str, name: str, start: StartupTimeline) -> None:
+        """One engine pod's cold start: each stage's seconds, and the total."""
+        for stage, seconds in stage_seconds(start):
+            self.cold_start.labels(namespace, name, stage).observe(seconds)
+        if start.total_seconds is not None:
+            self.cold_start.labels(namespace, name, TOTAL).observe(start.total_seconds)
 
     def record(self, namespace: str, name: str, out: ProbeOutcome) -> None:
         self.cycles.labels(namespace, name, "success" if out.ok else "failure").inc()
@@ -166,6 +184,7 @@ class ProbeMetrics:
             self.stalled,
             self.kv_pressure,
             self.ttft_p95,
+            self.cold_start,
         ):
             # prometheus_client lists a metric's children only in this private mapping.
             for labels in list(metric._metrics):
