@@ -18,7 +18,10 @@ from servedmodel.k8s.leader import LeaderElector
 
 pytestmark = pytest.mark.cluster
 
-LEASE, RENEW, RETRY = 3.0, 2.0, 0.25
+# Short, but not so short that a loaded CI machine's API answer misses the renew deadline: with 2 s a
+# leader stepped down mid-test (it renewed nothing for 2 s) and took the Lease again, a correct loss that
+# the test read as a second term.
+LEASE, RENEW, RETRY = 6.0, 4.0, 0.5
 
 
 @contextlib.asynccontextmanager
