@@ -9,6 +9,8 @@ turns service links off, so no other Service's name can do the same.
 from __future__ import annotations
 
 ENGINE_PORT = 8000
+# The engine pod's vLLM container (render writes it, the probe's startup timeline reads its status).
+ENGINE_CONTAINER = "engine"
 # The weight-cache volume (a PVC or an emptyDir) in the engine container: HF_HOME is under it, and
 # spec.adapters' cache:// sources are folders on it.
 CACHE_MOUNT = "/cache"

@@ -116,19 +116,20 @@ def previous_probe_status(
     return previous
 
 
+def _last_written(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None, field_: str) -> Any:
+    """status.<field_> as this scheduler last wrote it (newer than the cache's copy may be), else as read."""
+    if last_patch is not None and isinstance(last_patch.get(field_), dict):
+        return last_patch[field_]
+    return status.get(field_)
+
+
 def previous_rollout(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None) -> RolloutStatus | None:
-    """status.rollout as this scheduler last wrote it (newer than the cache's copy may be), else as read."""
-    previous = status.get("rollout")
-    if last_patch is not None and isinstance(last_patch.get("rollout"), dict):
-        previous = last_patch["rollout"]
+    previous = _last_written(status, last_patch, "rollout")
     return RolloutStatus.model_validate(previous) if isinstance(previous, dict) else None
 
 
 def previous_startup(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None) -> StartupStatus | None:
-    """status.startup as this scheduler last wrote it (newer than the cache's copy may be), else as read."""
-    previous = status.get("startup")
-    if last_patch is not None and isinstance(last_patch.get("startup"), dict):
-        previous = last_patch["startup"]
+    previous = _last_written(status, last_patch, "startup")
     if not isinstance(previous, dict):
         return None
     try:

@@ -42,13 +42,16 @@ def rfc3339(t: datetime, timespec: str = "milliseconds") -> str:
     return t.astimezone(UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
 
 
-def parse_rfc3339(s: str | None) -> datetime | None:
-    if not s:
+def parse_rfc3339(s: object) -> datetime | None:
+    """A Kubernetes timestamp (RFC 3339, Z or an offset, with or without fractions), else None: also for
+    a value that is no string or carries no offset (it could not be compared with an aware time)."""
+    if not isinstance(s, str) or not s:
         return None
     try:
-        return datetime.fromisoformat(s.replace("Z", "+00:00"))
+        parsed = datetime.fromisoformat(s.replace("Z", "+00:00"))
     except ValueError:
         return None
+    return parsed if parsed.tzinfo is not None else None
 
 
 def _r(v: float | None, nd: int = 3) -> float | None:

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final
 
+from servedmodel.api.conditions import find
+from servedmodel.api.names import ENGINE_CONTAINER
 from servedmodel.api.startup import (
     STARTUP_HISTORY,
     STARTUP_STAGES,
@@ -33,9 +35,9 @@ from servedmodel.api.startup import (
 )
 
 from .client import ProbeOutcome
+from .report import parse_rfc3339
 from .sse import percentile
 
-ENGINE_CONTAINER: Final = "engine"  # render/objects.CONTAINER_NAME
 TOTAL: Final = "total"
 
 
@@ -74,22 +76,9 @@ def observe(
     return track, False
 
 
-def parse_time(value: Any) -> datetime | None:
-    """A Kubernetes timestamp (RFC 3339, Z or an offset, with or without fractions); None if not one."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else None
-
-
 def _condition_time(status: Mapping[str, Any], type_: str) -> datetime | None:
-    for c in status.get("conditions") or []:
-        if isinstance(c, Mapping) and c.get("type") == type_ and c.get("status") == "True":
-            return parse_time(c.get("lastTransitionTime"))
-    return None
+    c = find(status.get("conditions"), type_)
+    return parse_rfc3339(c.get("lastTransitionTime")) if c is not None and c.get("status") == "True" else None
 
 
 def _engine_status(status: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -108,9 +97,9 @@ def _pulled_at(events: Sequence[Mapping[str, Any]], container: str) -> datetime 
         ):
             continue
         when = (
-            parse_time(e.get("eventTime"))
-            or parse_time(e.get("firstTimestamp"))
-            or parse_time(e.get("lastTimestamp"))
+            parse_rfc3339(e.get("eventTime"))
+            or parse_rfc3339(e.get("firstTimestamp"))
+            or parse_rfc3339(e.get("lastTimestamp"))
         )
         if when is not None:
             times.append(when)
@@ -126,7 +115,7 @@ def timeline(
     """One pod's start, each stage in seconds from its creation (None: the pod has no creationTimestamp).
     A stage nothing said is left out; none is negative (the probe's clock against the API server's)."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    created = parse_time(meta.get("creationTimestamp"))
+    created = parse_rfc3339(meta.get("creationTimestamp"))
     if created is None:
         return None
 
@@ -144,7 +133,7 @@ def timeline(
         scheduled_seconds=since(_condition_time(status, "PodScheduled")),
         initialized_seconds=since(_condition_time(status, "Initialized")),
         image_pulled_seconds=since(_pulled_at(events, container)),
-        container_started_seconds=since(parse_time(running.get("startedAt"))),
+        container_started_seconds=since(parse_rfc3339(running.get("startedAt"))),
         containers_ready_seconds=since(_condition_time(status, "ContainersReady")),
         engine_healthy_seconds=since(healthy_at),
         first_token_seconds=first_token,

@@ -45,7 +45,6 @@ from .errors import RenderError
 from .inference_pool import inference_pool_objects, pool_labels
 from .meta import child_metadata
 
-CONTAINER_NAME = "engine"
 HOME_MOUNT = "/home/engine"
 HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
@@ -288,7 +287,7 @@ def deployment(cr: ServedModel, ctx: RenderContext) -> Obj:
         default_image = ctx.vllm_cpu_image if cpu_serving(cr) else ctx.vllm_image
     volumes, mounts = _volumes(cr)
     container: Obj = {
-        "name": CONTAINER_NAME,
+        "name": names.ENGINE_CONTAINER,
         "image": eng.image or default_image,
         "imagePullPolicy": "IfNotPresent",
         "command": list(COMMANDS[kind]),
