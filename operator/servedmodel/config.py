@@ -46,7 +46,8 @@ class OperatorConfig(BaseSettings):
         description=(
             "Send probes here instead of resolving the engine in-cluster: either one base URL for every "
             "ServedModel, or 'namespace/name=URL' pairs separated by commas. Used by `make dev` and the "
-            "tests, whose fake (kwok) pods have addresses that exist nowhere."
+            "tests, whose fake (kwok) pods have addresses that exist nowhere: while it is set, an engine pod "
+            "it does not map is not probed at all."
         ),
     )
     probe_concurrency: int = Field(

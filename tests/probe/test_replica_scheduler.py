@@ -310,3 +310,35 @@ def test_kv_cache_pressure_from_a_tiny_kv_cache_under_load() -> None:
     warned = [e for e in cluster.events if e[2] == "KVCachePressure"]
     assert len(warned) == 1  # on the transition, not every cycle
     assert "preemptions" in warned[0][3]
+
+
+def test_pods_the_override_does_not_map_are_not_probed_at_their_own_address(
+    sims: list[SimulatorProcess], tmp_path: Path
+) -> None:
+    """With an endpoint override configured, a pod it does not map is left alone, even where its own
+    address answers (here: a simulator on the pod's loopback IP and engine port), never probed there: the
+    override stands for addresses that exist nowhere (kwok's), and a test's mapper writes it after the pod
+    exists."""
+    mapping = tmp_path / "override"
+    mapping.write_text("# the mapper has not written yet\n")
+    body = served_model()
+    port = int(sims[1].base_url.rsplit(":", 1)[1])
+    pods = [pod(PODS[0], "10.244.0.10"), pod(PODS[1], "127.0.0.1")]
+    pods[1]["spec"]["containers"][0]["ports"][0]["containerPort"] = port  # its own address answers
+    cluster = Cluster(body, pods)
+
+    async def main() -> None:
+        sched = scheduler(cluster, f"@{mapping}")
+        sched.track(body)
+        try:
+            nothing = await sched.run_cycle(("ns", "qwen"))
+            assert nothing.pods == []
+            assert nothing.skipped == "not-ready"
+            mapping.write_text(f"ns/qwen/{PODS[0]}={sims[0].base_url}\n")
+            one = await sched.run_cycle(("ns", "qwen"))
+            assert [(r.name, r.endpoint) for r in one.pods] == [(PODS[0], sims[0].base_url)]
+            assert [p["name"] for p in cluster.body["status"]["probe"]["pods"]] == [PODS[0]]
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())

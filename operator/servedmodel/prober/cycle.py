@@ -432,16 +432,27 @@ class CycleRunner:
             return _Plan([], [], len(existing), {}, "the endpoint override file cannot be read")
         per_pod = parse_pod_overrides(text, namespace, name)
         model_url = None if per_pod else parse_override(text, namespace, name)
+        # With an override configured, the engines are where it says or nowhere: a pod it does not map
+        # (yet: a test's mapper writes the file after the pod exists) is not probed at its own address,
+        # which exists nowhere (kwok) and must not be asked.
+        overridden = bool(self.config.endpoint_override)
         targets: list[_PodTarget] = []
+        unmapped: list[str] = []
         for pod in sorted(live, key=lambda p: str(p["metadata"]["name"])):
             pod_name = str(pod["metadata"]["name"])
             if not containers_ready(pod):
                 continue
-            url = per_pod.get(pod_name) if per_pod else (model_url or pod_base_url(pod))
+            url = per_pod.get(pod_name) if per_pod else model_url
+            if url is None and not overridden:
+                url = pod_base_url(pod)
             if url:
                 targets.append(_PodTarget(pod_name, url, pod))
+            elif overridden:
+                unmapped.append(pod_name)
         eligible = [t.name for t in targets]
         why = f"no engine pod of {len(existing)} has its containers ready" if existing else "no engine pod"
+        if unmapped and not targets:
+            why = f"the endpoint override maps no ready engine pod ({', '.join(unmapped[:3])})"
         cap = max(1, self.config.probe_max_pods_per_cycle)
         if len(targets) > cap:
             start = model.rotation % len(targets)
