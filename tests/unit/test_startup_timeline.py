@@ -261,8 +261,30 @@ def test_compose_writes_status_startup_and_keeps_it_in_every_later_write() -> No
     external = compose.compose(compose.Cycle(out, spec, {"startup": written}, 1, at(60)))
     assert external.patch["startup"] == written
     at_zero: dict[str, Any] = {}
-    compose.keep_startup({"startup": written}, at_zero)
+    compose.keep_startup({"startup": written}, None, at_zero)
     assert at_zero == {"startup": written}
+    # ... as this scheduler last wrote it when the cache's copy is a write behind (it would take a start
+    # back out of status.startup)
+    newer = behind.patch["startup"]
+    compose.keep_startup({"startup": written}, behind.patch, at_zero)
+    assert at_zero == {"startup": newer}
+    external = compose.compose(
+        compose.Cycle(out, spec, {"startup": written}, 1, at(60), last_patch=behind.patch)
+    )
+    assert external.patch["startup"] == newer
+
+
+def test_a_write_that_computes_no_rollout_keeps_the_last_written_one() -> None:
+    """status.rollout and RolloutBlocked as this scheduler last wrote them, not the cache's older copy."""
+    old = {"rollout": {"revision": "r1", "phase": "Progressing"}, "conditions": []}
+    blocked = {"type": "RolloutBlocked", "status": "True", "reason": "ChecksFailed", "message": "m"}
+    last = {"rollout": {"revision": "r2", "phase": "Blocked"}, "conditions": [blocked]}
+    patch: dict[str, Any] = {"conditions": []}
+    compose.keep_rollout(old, last, patch)
+    assert patch == {"conditions": [blocked], "rollout": last["rollout"]}
+    patch = {"conditions": []}
+    compose.keep_rollout(old, None, patch)  # nothing written by this scheduler yet: as read
+    assert patch == {"conditions": [], "rollout": old["rollout"]}
 
 
 def test_the_histogram_counts_each_start_once_and_its_stages_sum_to_the_total() -> None:

@@ -156,7 +156,7 @@ def compose(c: Cycle) -> Composed:
     """Everything the probe writes after this cycle (see the module docstring)."""
     if c.pods is None:
         new, patch = status_patch(c.outcome, c.spec.probe, c.status, c.generation, c.last_status, c.now)
-        keep_startup(c.status, patch)
+        keep_startup(c.status, c.last_patch, patch)
         return Composed(new, patch)
     previous = previous_probe_status(c.status, c.last_status)
     old_pods = list(previous.pods or []) if previous is not None else []
@@ -179,26 +179,35 @@ def compose(c: Cycle) -> Composed:
         composed.gates = _gates(c, new, rollout)
         _rollout(c, composed, rollout)
     if "rollout" not in patch:
-        keep_rollout(c.status, patch)
+        keep_rollout(c.status, c.last_patch, patch)
     startup, composed.started = summarize_starts(previous_startup(c.status, c.last_patch), c.startups)
     if startup is not None:
         patch["startup"] = startup.model_dump(by_alias=True, exclude_none=True)
     return composed
 
 
-def keep_startup(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
-    """status.startup as it is, into a write that adds no start (server-side apply drops what we omit)."""
-    if isinstance(status.get("startup"), dict):
-        patch["startup"] = status["startup"]
+def keep_startup(
+    status: Mapping[str, Any], last_patch: Mapping[str, Any] | None, patch: dict[str, Any]
+) -> None:
+    """status.startup as this scheduler last wrote it (else as read), into a write that adds no start:
+    server-side apply drops what we omit, and the cache's copy may be a write behind."""
+    kept = _last_written(status, last_patch, "startup")
+    if isinstance(kept, dict):
+        patch["startup"] = kept
 
 
-def keep_rollout(status: Mapping[str, Any], patch: dict[str, Any]) -> None:
-    """status.rollout and RolloutBlocked as they are, into a write that does not compute them."""
-    if isinstance(status.get("rollout"), dict):
-        patch["rollout"] = status["rollout"]
-    kept = find_condition(status.get("conditions"), ROLLOUT_BLOCKED)
-    if kept is not None and find_condition(patch.get("conditions"), ROLLOUT_BLOCKED) is None:
-        patch["conditions"] = [*patch.get("conditions", []), dict(kept)]
+def keep_rollout(
+    status: Mapping[str, Any], last_patch: Mapping[str, Any] | None, patch: dict[str, Any]
+) -> None:
+    """status.rollout and RolloutBlocked as this scheduler last wrote them (else as read), into a write
+    that does not compute them."""
+    kept = _last_written(status, last_patch, "rollout")
+    if isinstance(kept, dict):
+        patch["rollout"] = kept
+    conditions = last_patch.get("conditions") if last_patch is not None else status.get("conditions")
+    blocked = find_condition(conditions, ROLLOUT_BLOCKED)
+    if blocked is not None and find_condition(patch.get("conditions"), ROLLOUT_BLOCKED) is None:
+        patch["conditions"] = [*patch.get("conditions", []), dict(blocked)]
 
 
 def _patch(

@@ -684,10 +684,11 @@ class CycleRunner:
         patch: dict[str, Any] = {
             "conditions": scaling.scaled_to_zero_conditions(status.get("conditions"), generation, now)
         }
-        if isinstance(status.get("probe"), dict):
-            patch["probe"] = status["probe"]  # kept as it is: server-side apply drops what we omit
-        keep_rollout(status, patch)
-        keep_startup(status, patch)
+        probe = (model.last_patch or {}).get("probe", status.get("probe"))
+        if isinstance(probe, dict):
+            patch["probe"] = probe  # kept as last written: server-side apply drops what we omit
+        keep_rollout(status, model.last_patch, patch)
+        keep_startup(status, model.last_patch, patch)
         if await self._write(model, body, patch, None):
             result.written = True
             self._enqueue(model.key)
