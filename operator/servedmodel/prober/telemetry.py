@@ -13,6 +13,8 @@ from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.report import publishable_figures
 from servedmodel.probe.startup import TOTAL, stage_seconds
 
+from .series import LabeledHistogram
+
 
 class ProbeMetrics:
     """The probe's operator metrics, on the registry the operator serves (no module globals)."""
@@ -21,21 +23,21 @@ class ProbeMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["namespace", "name"]
-        self.ttft = Histogram(
+        self.ttft = LabeledHistogram(
             "servedmodel_probe_ttft_seconds",
             "Probe TTFT (request sent -> first content token), seconds.",
             labels,
             buckets=self._LATENCY_BUCKETS,
             registry=registry,
         )
-        self.tpot = Histogram(
+        self.tpot = LabeledHistogram(
             "servedmodel_probe_tpot_seconds",
             "Probe TPOT, vLLM's definition ((e2e - TTFT)/(completion tokens - 1)), seconds.",
             labels,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
             registry=registry,
         )
-        self.e2e = Histogram(
+        self.e2e = LabeledHistogram(
             "servedmodel_probe_e2e_seconds",
             "Probe end to end (request sent -> [DONE]), seconds.",
             labels,
@@ -134,7 +136,7 @@ class ProbeMetrics:
             labels,
             registry=registry,
         )
-        self.cold_start = Histogram(
+        self.cold_start = LabeledHistogram(
             "servedmodel_cold_start_seconds",
             "Engine pods' cold starts (status.startup), seconds: stage=total is pod creation to the probe's "
             "first real token; each other stage is how long that stage took (scheduled, initialized, "
@@ -170,10 +172,9 @@ class ProbeMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted ServedModel's series (every label set that starts with it): no ghosts."""
+        for histogram in (self.ttft, self.tpot, self.e2e, self.cold_start):
+            histogram.remove_matching((namespace, name))
         for metric in (
-            self.ttft,
-            self.tpot,
-            self.e2e,
             self.serving,
             self.failures,
             self.cycles,
@@ -184,7 +185,6 @@ class ProbeMetrics:
             self.stalled,
             self.kv_pressure,
             self.ttft_p95,
-            self.cold_start,
         ):
             # prometheus_client lists a metric's children only in this private mapping.
             for labels in list(metric._metrics):
