@@ -2,6 +2,8 @@
 to $TRACEMALLOC_OUT. Bench-only: bench/operator_scale.py --memory-profile starts the operator this way.
 
     python bench/tracemalloc_run.py servedmodel.cli run -n bench ...
+
+TRACEMALLOC_FRAMES=N (default 1) keeps N frames per allocation and adds the biggest sites' call stacks.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ def dump(_signum: int, _frame: FrameType | None) -> None:
     lines += [f"{s.size / 1e6:8.1f} MB  {s.count:9d}  {s.traceback[0].filename}" for s in by_file[:25]]
     lines += ["", "by line:"]
     lines += [f"{s.size / 1e6:8.1f} MB  {s.count:9d}  {s.traceback[0]}" for s in by_line[:40]]
+    if FRAMES > 1:  # who holds it: the allocation's callers, for the biggest sites
+        lines += ["", f"by traceback ({FRAMES} frames, innermost last):"]
+        for s in snapshot.statistics("traceback")[:25]:
+            lines += [f"{s.size / 1e6:8.1f} MB  {s.count:9d}", *(f"        {f}" for f in s.traceback)]
     Path(os.environ["TRACEMALLOC_OUT"]).write_text("\n".join(lines) + "\n")
 
 
+FRAMES = int(os.environ.get("TRACEMALLOC_FRAMES", "1"))
+
 if __name__ == "__main__":
-    tracemalloc.start(1)
+    tracemalloc.start(FRAMES)
     signal.signal(signal.SIGUSR1, dump)
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]
