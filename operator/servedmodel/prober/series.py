@@ -52,8 +52,8 @@ class LabeledHistogram(Collector):
     ) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         bounds = sorted(float(b) for b in buckets)
-        self._bounds = tuple(bounds if bounds and bounds[-1] == INF else [*bounds, INF])
-        self._le = tuple(le_label(b) for b in self._bounds)
+        self.bounds = tuple(bounds if bounds and bounds[-1] == INF else [*bounds, INF])
+        self._le = tuple(le_label(b) for b in self.bounds)
         self._series: dict[tuple[str, ...], array[float]] = {}
         self._lock = threading.Lock()  # the probe's thread observes, the scrape's thread collects
         registry.register(self)
@@ -64,11 +64,11 @@ class LabeledHistogram(Collector):
         return Observer(self, tuple(str(v) for v in values))
 
     def observe(self, key: tuple[str, ...], value: float) -> None:
-        i = bisect_left(self._bounds, value)  # the first bucket whose upper bound (le) holds the value
+        i = bisect_left(self.bounds, value)  # the first bucket whose upper bound (le) holds the value
         with self._lock:
             counts = self._series.get(key)
             if counts is None:
-                counts = self._series[key] = array("d", bytes(8 * (len(self._bounds) + 1)))
+                counts = self._series[key] = array("d", bytes(8 * (len(self.bounds) + 1)))
             counts[i] += 1
             counts[-1] += value
 

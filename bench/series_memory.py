@@ -1,0 +1,112 @@
+"""Memory of the probe's Prometheus series per ServedModel: the operator's ProbeMetrics (its per-model
+histograms kept by prober/series.LabeledHistogram) beside the same families as prometheus_client's own
+Histogram, in one run, measured with tracemalloc after N models each recorded one probe and one cold start
+of seven stages.
+
+    .venv/bin/python bench/series_memory.py -n 1000
+
+Never a test: it prints a table (markdown with --markdown) for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import tracemalloc
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.utils import INF
+
+from servedmodel.prober.telemetry import ProbeMetrics
+
+STAGES = ("scheduled", "initialized", "containerStarted", "containersReady", "engineHealthy", "firstToken")
+
+
+def fill(metrics: ProbeMetrics, n: int) -> None:
+    """What one probe cycle and one start record per ServedModel (as ProbeMetrics.record/record_start do)."""
+    for i in range(n):
+        ns, name = "bench", f"sm-{i:05d}"
+        metrics.ttft.labels(ns, name).observe(0.02)
+        metrics.tpot.labels(ns, name).observe(0.004)
+        metrics.e2e.labels(ns, name).observe(0.1)
+        metrics.serving.labels(ns, name).set(1)
+        metrics.cycles.labels(ns, name, "success").inc()
+        metrics.status_writes.labels(ns, name).inc()
+        metrics.ttft_p95.labels(ns, name).set(0.02)
+        metrics.pod_probes.labels(ns, name, "Serving").inc()
+        metrics.gate_writes.labels(ns, name, "True").inc()
+        metrics.stalled.labels(ns, name).set(0)
+        metrics.kv_pressure.labels(ns, name).set(0)
+        for stage in (*STAGES, "total"):
+            metrics.cold_start.labels(ns, name, stage).observe(3.0)
+
+
+def as_prometheus_client(registry: CollectorRegistry) -> ProbeMetrics:
+    """ProbeMetrics with its per-model histograms as prometheus_client's Histogram (what it was before)."""
+    metrics = ProbeMetrics(registry)
+    for attr in ("ttft", "tpot", "e2e", "cold_start"):
+        ours = getattr(metrics, attr)
+        registry.unregister(ours)
+        bounds = [b for b in ours.bounds if b != INF]
+        theirs = Histogram(ours.name, ours.documentation, ours.labelnames, buckets=bounds, registry=registry)
+        setattr(metrics, attr, theirs)
+    return metrics
+
+
+def measure(make: Callable[[CollectorRegistry], ProbeMetrics], n: int) -> tuple[float, float, int]:
+    """(KiB per model, scrape ms, exposition bytes) for N models."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    registry = CollectorRegistry()
+    metrics = make(registry)
+    fill(metrics, n)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    t0 = time.perf_counter()
+    text = generate_latest(registry)
+    scrape_ms = (time.perf_counter() - t0) * 1000
+    return used / n / 1024, scrape_ms, len(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-n", type=int, default=1000, help="ServedModels (default 1000)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args()
+    ours = measure(ProbeMetrics, args.n)
+    theirs = measure(as_prometheus_client, args.n)
+    rows = [
+        (
+            "probe series per ServedModel, KiB (tracemalloc)",
+            f"{theirs[0]:.1f}",
+            f"{ours[0]:.1f}",
+            f"{theirs[0] / ours[0]:.1f}x",
+        ),
+        (f"at N = {args.n:,}, MB", f"{theirs[0] * args.n / 1024:.1f}", f"{ours[0] * args.n / 1024:.1f}", ""),
+        (
+            "one scrape (generate_latest), ms",
+            f"{theirs[1]:.0f}",
+            f"{ours[1]:.0f}",
+            f"{theirs[1] / ours[1]:.1f}x",
+        ),
+    ]
+    header = ("figure", "prometheus_client Histogram", "LabeledHistogram (ours)", "ratio")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|---|---|---|---|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    else:
+        for row in (header, *rows):
+            print(f"{row[0]:<50} {row[1]:>28} {row[2]:>24} {row[3]:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
