@@ -78,10 +78,6 @@ class LabeledHistogram(Collector):
             for key in [k for k in self._series if k[: len(prefix)] == prefix]:
                 del self._series[key]
 
-    def label_sets(self) -> list[tuple[str, ...]]:
-        with self._lock:
-            return list(self._series)
-
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
