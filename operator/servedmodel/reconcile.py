@@ -34,6 +34,7 @@ from .render import RenderContext, RenderError, render
 from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
 from .render.inference_pool import INFERENCE_OBJECTIVE_API, INFERENCE_POOL_API
+from .render.workers import LWS_API
 from .status import (
     ApplyFailed,
     External,
@@ -45,6 +46,8 @@ from .status import (
     Subject,
     Transition,
     compute_status,
+    group_as_deployment,
+    ready_groups,
     status_changed,
     transitions,
 )
@@ -68,7 +71,13 @@ CHILD_KINDS: Final = (
     (KEDA_API, "triggerauthentications", "TriggerAuthentication"),
     (INFERENCE_POOL_API, "inferencepools", "InferencePool"),
     (INFERENCE_OBJECTIVE_API, "inferenceobjectives", "InferenceObjective"),
+    (LWS_API, "leaderworkersets", "LeaderWorkerSet"),
 )
+# spec.workers without the LeaderWorkerSet API in the cluster: nothing runs the engine.
+LWS_MISSING: Final = "LeaderWorkerSetMissing"
+# The LeaderWorkerSet's status says fewer (or more) ready groups than its pods do: its controller has not
+# caught up, and no watch brings its status update (LeaderWorkerSets are not watched: the API is optional).
+GROUP_RECHECK_S: Final = 2.0
 
 
 @dataclass
@@ -84,6 +93,7 @@ class Outcome:
     apply_error: str | None = None  # temporary: retry later
     apply_reason: str | None = None  # why the children were applied (None: they were not)
     deferred: bool = False  # nothing written: the Deployment controller is behind (its event follows)
+    recheck_after: float | None = None  # look again in this many seconds (a LeaderWorkerSet's lagging status)
 
 
 def utc_now() -> str:
@@ -106,15 +116,22 @@ def parse(body: Mapping[str, Any]) -> ServedModel:
     return ServedModel.from_body({k: v for k, v in body.items() if k != "status"})
 
 
-async def observe(reader: Reader, name: str, namespace: str, *, with_route: bool) -> Observed:
+async def observe(
+    reader: Reader, name: str, namespace: str, *, with_route: bool, group: bool = False
+) -> Observed:
     """The engine Deployment, its Pods and the Route, through the Reader: from the watch-fed cache (no
-    request), from the API server only for a kind no watch feeds (the Route on OpenShift).
+    request), from the API server only for a kind no watch feeds (the Route on OpenShift; the
+    LeaderWorkerSet, read with `group` in the Deployment's place, status.group_as_deployment).
 
     Nothing is polled: a Deployment whose controller has not yet seen its newest generation is
     reported as it is (see `deployment_lagging`), and its next status update is a watch event that
     enqueues this ServedModel again.
     """
-    deployment = await reader.get("apps/v1", "deployments", namespace, names.deployment_name(name))
+    if group:
+        lws = await reader.get(LWS_API, "leaderworkersets", namespace, names.leader_worker_set_name(name))
+        deployment = group_as_deployment(lws)
+    else:
+        deployment = await reader.get("apps/v1", "deployments", namespace, names.deployment_name(name))
     pods = await reader.list("v1", "pods", namespace, names.selector_labels(name))
     route = await reader.get(ROUTE_API, "routes", namespace, names.route_name(name)) if with_route else None
     return Observed(deployment=deployment, pods=pods, route=route)
@@ -439,6 +456,7 @@ async def reconcile(
             KEDA_API: await client.discover(KEDA_API),
             INFERENCE_POOL_API: await client.discover(INFERENCE_POOL_API),
             INFERENCE_OBJECTIVE_API: await client.discover(INFERENCE_OBJECTIVE_API),
+            LWS_API: await client.discover(LWS_API),
         }
     template_missing: TemplateMissing | None = None
     rolled_back: Problem | None = None
@@ -451,6 +469,7 @@ async def reconcile(
             has_keda_api=optional[KEDA_API],
             has_inference_pool_api=optional[INFERENCE_POOL_API],
             has_inference_objective_api=optional[INFERENCE_OBJECTIVE_API],
+            has_lws_api=optional[LWS_API],
             chat_template_digest=template_digest,
         )
         try:
@@ -514,7 +533,8 @@ async def reconcile(
         mode = External(cr.spec.endpoint, served_model_name, serving)
     else:
         with_route = any(o["kind"] == "Route" for o in objects)
-        observed = await observe(reader, name, namespace, with_route=with_route)
+        group = cr.spec.workers is not None
+        observed = await observe(reader, name, namespace, with_route=with_route, group=group)
         if reason is None and deployment_lagging(observed):
             # The Deployment controller has not caught up with a change that was not ours (an
             # annotation bumps the generation without a rollout): its status update is a watch event
@@ -529,9 +549,20 @@ async def reconcile(
             missing = None
             if template_missing is not None:
                 missing = Problem(template_missing.reason, template_missing.message)
+            if group and not optional.get(LWS_API, False):
+                missing = Problem(
+                    LWS_MISSING,
+                    f"spec.workers needs the LeaderWorkerSet API ({LWS_API}), which this cluster does not "
+                    "serve: install LeaderWorkerSet (sigs.k8s.io/lws); nothing runs the engine until then",
+                )
             mode = Managed(observed, served_model_name, serving, autoscaling, missing, rolled_back)
     desired = compute_status(subject, mode)
     written, changes = await finish(client, cache, config, body, desired, post_events)
+    recheck = None
+    if isinstance(mode, Managed) and mode.observed.deployment is not None and cr.spec.workers is not None:
+        said = int((mode.observed.deployment.get("status") or {}).get("readyReplicas") or 0)
+        if said != ready_groups(mode.observed.pods, names.LWS_GROUP_INDEX_LABEL):
+            recheck = GROUP_RECHECK_S
     return Outcome(
         desired,
         written,
@@ -540,4 +571,5 @@ async def reconcile(
         pruned=pruned,
         apply_error=apply_error[1] if apply_error else None,
         apply_reason=reason,
+        recheck_after=recheck,
     )

@@ -201,6 +201,42 @@ def deployment_problems(deployment: Obj) -> list[Problem]:
     return out
 
 
+def group_as_deployment(lws: Obj | None) -> Obj | None:
+    """A LeaderWorkerSet (spec.workers) as the Deployment-shaped view the rest of this module reads: its
+    replicas are groups, and its status' replicas / readyReplicas / updatedReplicas (a group is ready when
+    all its pods are) become the Deployment's counts; a ready group is an available one. LWS keeps no
+    observedGeneration: the view says the newest generation is seen (lagging_groups covers the lag)."""
+    if lws is None:
+        return None
+    meta, spec, st = lws.get("metadata") or {}, lws.get("spec") or {}, lws.get("status") or {}
+    generation = int(meta.get("generation") or 0)
+    ready = int(st.get("readyReplicas") or 0)
+    return {
+        "metadata": {"name": meta.get("name"), "generation": generation},
+        "spec": {"replicas": int(spec.get("replicas", 1))},
+        "status": {
+            "observedGeneration": generation,
+            "replicas": int(st.get("replicas") or 0),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": int(st.get("updatedReplicas") or 0),
+        },
+    }
+
+
+def ready_groups(pods: Sequence[Obj], group_label: str) -> int:
+    """Groups (by `group_label`) whose every live pod is Ready."""
+    groups: dict[str, bool] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        group = (meta.get("labels") or {}).get(group_label)
+        if group is None or meta.get("deletionTimestamp"):
+            continue
+        ready = conditions.find((pod.get("status") or {}).get("conditions"), "Ready") or {}
+        groups[group] = groups.get(group, True) and ready.get("status") == "True"
+    return sum(1 for ok in groups.values() if ok)
+
+
 def endpoint_url(name: str, namespace: str) -> str:
     """The in-cluster base URL of the engine Service (no /v1, like spec.endpoint)."""
     return f"http://{names.service_name(name)}.{namespace}.svc:{names.ENGINE_PORT}"

@@ -451,6 +451,7 @@ EXPECTED_RIGHTS = {
     ("triggerauthentications.keda.sh", "[list watch create patch delete]"),
     ("inferencepools.inference.networking.k8s.io", "[list create patch delete]"),
     ("inferenceobjectives.inference.networking.x-k8s.io", "[list create patch delete]"),
+    ("leaderworkersets.leaderworkerset.x-k8s.io", "[get list create patch delete]"),
     ("tokenreviews.authentication.k8s.io", "[create]"),
     ("subjectaccessreviews.authorization.k8s.io", "[create]"),
 }

@@ -28,7 +28,13 @@ KEDA = RenderContext(has_route_api=True, has_service_monitor_api=True, has_keda_
 INFERENCE = RenderContext(has_inference_pool_api=True, has_inference_objective_api=True)
 
 
+# Cases named workers* render as if leaderworkerset.x-k8s.io (LeaderWorkerSet) were discovered.
+LWS = RenderContext(has_lws_api=True)
+
+
 def _context(case: Path) -> RenderContext:
+    if case.stem.startswith("workers"):
+        return LWS
     if case.stem.startswith("inference-pool"):
         return INFERENCE
     if case.stem.startswith("keda"):

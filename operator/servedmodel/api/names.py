@@ -77,3 +77,20 @@ def standard_labels(name: str, engine_kind: str) -> dict[str, str]:
         ENGINE_LABEL: engine_kind,
     }
     return dict(sorted(labels.items()))
+
+
+# LeaderWorkerSet (spec.workers): the labels its controller puts on a group's pods (sigs.k8s.io/lws
+# api/leaderworkerset/v1). worker-index "0" is the leader; group-index says which group a pod is in.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LEADER_WORKER_INDEX = "0"
+
+
+def leader_worker_set_name(name: str) -> str:
+    """The LeaderWorkerSet of spec.workers is named after the ServedModel, as the Deployment is."""
+    return name
+
+
+def leader_selector_labels(name: str) -> dict[str, str]:
+    """The leaders of a ServedModel's groups (the Service's selector with spec.workers)."""
+    return {**selector_labels(name), LWS_WORKER_INDEX_LABEL: LEADER_WORKER_INDEX}

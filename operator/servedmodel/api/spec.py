@@ -47,6 +47,24 @@ DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4
 # Env the operator derives from secret references; a literal value would put a secret in the pod spec.
 SECRET_ENV = ("HF_TOKEN", "VLLM_API_KEY")
 
+# spec.workers' rules (CEL and pydantic say the same).
+WORKERS_NEED_GPUS = (
+    "workers needs GPUs: vLLM's multi-node serving runs pipeline stages on GPUs, resources.gpus 0 (vLLM "
+    "on CPU) is one pod"
+)
+WORKERS_NO_AUTOSCALING = (
+    "workers is not supported with autoscaling (scale to zero included): the autoscaler scales a "
+    "Deployment, a multi-node group is a LeaderWorkerSet; set replicas instead"
+)
+WORKERS_NO_ADAPTERS = (
+    "workers is not supported with adapters: the operator loads LoRA adapters pod by pod, a multi-node "
+    "group's workers serve no API to load them into"
+)
+WORKERS_NO_INFERENCE_POOL = (
+    "workers is not supported with inferencePool: the pool would select the workers, which serve no "
+    "requests; route to the leader's Service instead"
+)
+
 EngineKind = Literal["vllm", "simulator"]
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
@@ -303,6 +321,26 @@ class ResourcesSpec(ApiModel):
     limits: ResourceList | None = Field(default=None, description="CPU/memory limits.")
 
 
+class WorkersSpec(ApiModel):
+    """One engine replica across several pods: a LeaderWorkerSet group (leader + workers)."""
+
+    size: int = Field(
+        ge=2,
+        le=64,
+        description=(
+            "Pods per group, the leader included (the LeaderWorkerSet's size): vLLM runs its pipeline "
+            "parallel stages one per pod (--pipeline-parallel-size), engine.tensorParallelSize GPUs each."
+        ),
+    )
+    resources: ResourcesSpec | None = Field(
+        default=None,
+        description=(
+            "Each worker pod's GPUs, CPU and memory when they differ from the leader's (spec.resources); "
+            "unset: the leader's."
+        ),
+    )
+
+
 class CacheSpec(ApiModel):
     """Weight cache (HF_HOME) on a PVC: a new claim (size, storageClassName, accessModes) or existingClaim."""
 
@@ -425,6 +463,7 @@ DEPLOYMENT_FIELDS = (
     "monitoring",
     "autoscaling",
     "inferencePool",
+    "workers",
 )
 ENGINE_DEPLOYMENT_FIELDS = (
     "image",
@@ -525,6 +564,34 @@ class ServedModelSpec(ApiModel):
                     ".adapters",
                 ),
                 cel(
+                    "!has(self.workers) || !has(self.engine) || self.engine.kind != 'vllm' || "
+                    "(has(self.resources) ? self.resources.gpus : 1) >= 1",
+                    WORKERS_NEED_GPUS,
+                    ".workers",
+                ),
+                cel(
+                    "!has(self.workers) || !has(self.workers.resources) || self.workers.resources.gpus % "
+                    "(has(self.engine) ? self.engine.tensorParallelSize : 1) == 0",
+                    "workers.resources.gpus must be a multiple of engine.tensorParallelSize (each pod runs "
+                    "one pipeline stage of tensorParallelSize GPUs)",
+                    ".workers.resources.gpus",
+                ),
+                cel(
+                    "!has(self.workers) || !has(self.autoscaling)",
+                    WORKERS_NO_AUTOSCALING,
+                    ".workers",
+                ),
+                cel(
+                    "!has(self.workers) || !has(self.adapters) || size(self.adapters) == 0",
+                    WORKERS_NO_ADAPTERS,
+                    ".workers",
+                ),
+                cel(
+                    "!has(self.workers) || !has(self.inferencePool)",
+                    WORKERS_NO_INFERENCE_POOL,
+                    ".workers",
+                ),
+                cel(
                     "!has(self.revision) || !self.model.startsWith('pvc://')",
                     "revision applies to Hugging Face models, not pvc:// models",
                     ".revision",
@@ -588,6 +655,15 @@ class ServedModelSpec(ApiModel):
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="GPUs, CPU and memory per replica."
+    )
+    workers: WorkersSpec | None = Field(
+        default=None,
+        description=(
+            "Serve each replica across `size` pods (multi-node): a LeaderWorkerSet "
+            "(leaderworkerset.x-k8s.io/v1, LWS must be installed) instead of a Deployment; the leader runs "
+            "vLLM's API server, the workers join it (vLLM's multi-node mode), the Service and the probe go "
+            "to the leader, and the readiness gate holds the whole group."
+        ),
     )
     node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] | None = Field(
         default=None, description="Node labels the engine pods must match."
@@ -658,6 +734,8 @@ class ServedModelSpec(ApiModel):
             raise ValueError("engine.cpuKVCacheSpaceGiB applies to CPU serving only (resources.gpus: 0)")
         if self.revision is not None and self.model.startswith("pvc://"):
             raise ValueError("revision applies to Hugging Face models, not pvc:// models")
+        if self.workers is not None:
+            self._check_workers(self.workers)
         names = [a.name for a in self.adapters]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -694,6 +772,19 @@ class ServedModelSpec(ApiModel):
                     + " must not be set"
                 )
         return self
+
+    def _check_workers(self, workers: WorkersSpec) -> None:
+        """The rules of spec.workers the CEL above repeats (an older CRD may have let them through)."""
+        if self.engine.kind == "vllm" and self.resources.gpus < 1:
+            raise ValueError(WORKERS_NEED_GPUS)
+        if workers.resources is not None and workers.resources.gpus % self.engine.tensor_parallel_size:
+            raise ValueError("workers.resources.gpus must be a multiple of engine.tensorParallelSize")
+        if self.autoscaling is not None:
+            raise ValueError(WORKERS_NO_AUTOSCALING)
+        if self.adapters:
+            raise ValueError(WORKERS_NO_ADAPTERS)
+        if self.inference_pool is not None:
+            raise ValueError(WORKERS_NO_INFERENCE_POOL)
 
     @property
     def external(self) -> bool:

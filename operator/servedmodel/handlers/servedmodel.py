@@ -115,5 +115,8 @@ async def reconcile_key(memo: Any, key: tuple[str, str]) -> None:
         # Fixed outside the spec (the Secret's owner annotates it, nothing the operator watches): look
         # again every SECRET_RECHECK_S while it is refused.
         _controller.enqueue(namespace, name, after=SECRET_RECHECK_S)
+    if outcome.recheck_after is not None:
+        # A LeaderWorkerSet's status behind its pods: no watch brings its update (reconcile.GROUP_RECHECK_S).
+        _controller.enqueue(namespace, name, after=outcome.recheck_after)
     if outcome.apply_error:
         raise ApplyFailedError(outcome.apply_error)

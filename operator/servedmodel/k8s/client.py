@@ -117,6 +117,7 @@ KNOWN_RESOURCES: Final = (
     Resource("keda.sh/v1alpha1", "TriggerAuthentication", "triggerauthentications"),
     Resource("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
     Resource("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective", "inferenceobjectives"),
+    Resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
     Resource("inference.servedmodel.io/v1alpha1", "ServedModel", "servedmodels"),
     Resource("coordination.k8s.io/v1", "Lease", "leases"),
 )

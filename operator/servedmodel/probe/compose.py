@@ -231,17 +231,23 @@ def _gates(c: Cycle, new: ProbeStatus, rollout: RolloutStatus | None) -> dict[st
         pod, entry = c.pods.by_name.get(r.name), entries.get(r.name)
         if pod is None or entry is None:
             continue
-        cond = gate_condition(
-            r,
-            entry,
-            pod,
-            c.now,
-            failure_threshold=c.spec.probe.failure_threshold,
-            success_threshold=c.spec.probe.success_threshold,
-            held=held.get(r.name),
-        )
-        if cond is not None:
-            gates[r.name] = cond
+        # A multi-node group's pods (its leader, then its workers) share the leader's verdict: the
+        # group serves whole or not at all.
+        for name in (r.name, *r.workers):
+            member = c.pods.by_name.get(name)
+            if member is None:
+                continue
+            cond = gate_condition(
+                r,
+                entry,
+                member,
+                c.now,
+                failure_threshold=c.spec.probe.failure_threshold,
+                success_threshold=c.spec.probe.success_threshold,
+                held=held.get(r.name),
+            )
+            if cond is not None:
+                gates[name] = cond
     return gates
 
 

@@ -60,6 +60,8 @@ from .metrics import MetricsSnapshot, combine, delta
 from .report import parse_rfc3339, rfc3339
 
 MIN_STALL_WINDOW_S: Final = 1.0
+# A multi-node group's leader serves, but a worker of its group cannot (probe/group.py).
+WORKER_NOT_SERVING: Final = "WorkerNotServing"
 # The probe's own chat got no token in time: together with a flat generation counter, a stall.
 NO_TOKEN_REASONS: Final = frozenset({errors.FIRST_BYTE_TIMEOUT, errors.STREAM_STALLED, errors.PROBE_TIMEOUT})
 KV_PRESSURE_USAGE: Final = 0.9
@@ -99,15 +101,21 @@ class PodResult:
     outcome: ProbeOutcome
     stalled: str | None = None  # the EngineStalled message, with the gauges
     kv_pressure: str | None = None  # the KVCachePressure message, with the figures
+    # A multi-node group's leader (spec.workers): the workers of its group that cannot serve their part
+    # (probe/group.py), and the group's pods (its workers), whose gates follow the leader's verdict.
+    worker_failure: str | None = None
+    workers: tuple[str, ...] = ()
 
     @property
     def serving(self) -> bool:
-        return self.outcome.ok and self.stalled is None
+        return self.outcome.ok and self.stalled is None and self.worker_failure is None
 
     @property
     def reason(self) -> str:
         if self.stalled is not None:
             return ENGINE_STALLED
+        if self.worker_failure is not None and self.outcome.failure is None:
+            return WORKER_NOT_SERVING
         return errors.SERVING if self.outcome.failure is None else self.outcome.failure.reason
 
     @property
@@ -126,6 +134,8 @@ class PodResult:
         parts = [] if f is None else [f.message]
         if self.stalled is not None:
             parts.append(self.stalled)
+        if self.worker_failure is not None:
+            parts.append(self.worker_failure)
         if f is None and self.outcome.figures is not None:
             fig = self.outcome.figures
             parts.append(f"TTFT {fig.ttft_ms or 0:.1f} ms, e2e {fig.e2e_ms or 0:.1f} ms")

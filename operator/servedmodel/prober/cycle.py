@@ -32,7 +32,14 @@ from servedmodel.api.conditions import (
     SERVING,
 )
 from servedmodel.api.conditions import find as find_condition
-from servedmodel.api.names import ROLLED_BACK_FROM_ANNOTATION, deployment_name, selector_labels
+from servedmodel.api.names import (
+    LEADER_WORKER_INDEX,
+    LWS_GROUP_INDEX_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    ROLLED_BACK_FROM_ANNOTATION,
+    deployment_name,
+    selector_labels,
+)
 from servedmodel.api.probe import ProbeSpec, ProbeStatus, RolloutStatus, rollout_verdict
 from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.startup import StartupTimeline
@@ -62,6 +69,7 @@ from servedmodel.probe.compose import (
 )
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url, resolve_override
 from servedmodel.probe.errors import ProbeFailure
+from servedmodel.probe.group import WorkerWindow, check_worker, group_verdicts
 from servedmodel.probe.loop import ProbeLoop
 from servedmodel.probe.replicas import (
     TEMPLATE_CHANGED,
@@ -137,6 +145,8 @@ class Model:
     cycles: int = 0
     removed: bool = False
     windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
+    # a multi-node group's worker pod -> its /metrics at its last check (probe/group.py)
+    worker_windows: dict[str, WorkerWindow] = field(default_factory=dict)
     paths: dict[str, PathMemo] = field(default_factory=dict)  # pod ("" external) -> its full path's facts
     adapter_paths: dict[str, PathMemo] = field(default_factory=dict)  # "<pod>/<adapter>" -> the same
     # pod -> (its incarnation and whether adapters are declared, the verdict on its /metrics): judged once
@@ -146,10 +156,20 @@ class Model:
 
 
 @dataclass(frozen=True)
+class _Worker:
+    """A worker pod of a multi-node group: where its engine answers (None: nowhere to ask), its readiness."""
+
+    name: str
+    url: str | None
+    ready: bool
+
+
+@dataclass(frozen=True)
 class _PodTarget:
     name: str
     url: str
     pod: Obj
+    workers: tuple[_Worker, ...] = ()  # spec.workers: the other pods of this leader's group
 
 
 @dataclass(frozen=True)
@@ -438,15 +458,44 @@ class CycleRunner:
         overridden = bool(self.config.endpoint_override)
         targets: list[_PodTarget] = []
         unmapped: list[str] = []
-        for pod in sorted(live, key=lambda p: str(p["metadata"]["name"])):
+
+        def address(pod: Obj) -> str | None:
+            url = per_pod.get(str(pod["metadata"]["name"])) if per_pod else model_url
+            if url is None and not overridden:
+                url = pod_base_url(pod)
+            return url
+
+        groups: dict[str, list[Obj]] = {}
+        if spec.workers is not None:
+            # A multi-node group: its leader (worker-index 0) is probed, its workers checked with it, and
+            # `existing` counts groups (the replicas), not pods.
+            for pod in live:
+                labels = pod["metadata"].get("labels") or {}
+                if labels.get(LWS_WORKER_INDEX_LABEL, LEADER_WORKER_INDEX) != LEADER_WORKER_INDEX:
+                    groups.setdefault(str(labels.get(LWS_GROUP_INDEX_LABEL)), []).append(pod)
+            live_leaders = [
+                p
+                for p in live
+                if (p["metadata"].get("labels") or {}).get(LWS_WORKER_INDEX_LABEL) == LEADER_WORKER_INDEX
+            ]
+            existing = sorted(str(p["metadata"]["name"]) for p in live_leaders)
+        else:
+            live_leaders = live
+        for pod in sorted(live_leaders, key=lambda p: str(p["metadata"]["name"])):
             pod_name = str(pod["metadata"]["name"])
             if not containers_ready(pod):
                 continue
-            url = per_pod.get(pod_name) if per_pod else model_url
-            if url is None and not overridden:
-                url = pod_base_url(pod)
+            url = address(pod)
             if url:
-                targets.append(_PodTarget(pod_name, url, pod))
+                group = str((pod["metadata"].get("labels") or {}).get(LWS_GROUP_INDEX_LABEL))
+                members = sorted(groups.get(group, []), key=lambda p: str(p["metadata"]["name"]))
+                # A vLLM worker runs headless: no HTTP to ask, only its readiness.
+                headless = spec.engine.kind == "vllm"
+                workers = tuple(
+                    _Worker(str(w["metadata"]["name"]), None if headless else address(w), containers_ready(w))
+                    for w in members
+                )
+                targets.append(_PodTarget(pod_name, url, pod, workers))
             elif overridden:
                 unmapped.append(pod_name)
         eligible = [t.name for t in targets]
@@ -532,7 +581,19 @@ class CycleRunner:
                 return out
 
             outcomes = await asyncio.gather(*(one(i, t) for i, t in enumerate(targets)))
+            workers = [w for t in targets for w in t.workers]
+            checks = await asyncio.gather(
+                *(
+                    self.probe_loop.submit(
+                        check_worker(
+                            http, w.name, resolve_override(w.url).base_url if w.url else None, w.ready, served
+                        )
+                    )
+                    for w in workers
+                )
+            )
         outcomes = self.sources.redacted(model.key, *outcomes)
+        checked = {c.name: c for c in checks}
         mono = self.clock()
         results: list[PodResult] = []
         for t, out in zip(targets, outcomes, strict=True):
@@ -540,6 +601,13 @@ class CycleRunner:
             r = PodResult(t.name, t.url, out)
             r.stalled = stall_verdict(out, mono, previous)
             r.kv_pressure = kv_pressure_verdict(out, previous)
+            if t.workers:
+                group = [checked[w.name] for w in t.workers]
+                r.stalled, r.worker_failure = group_verdicts(group, model.worker_windows, r.stalled)
+                r.workers = tuple(w.name for w in t.workers)
+                for c in group:
+                    if c.metrics is not None:
+                        model.worker_windows[c.name] = WorkerWindow(c.metrics, c.at)
             if out.after is not None:
                 model.windows[t.name] = Window(out.after, mono)
             results.append(r)

@@ -4,6 +4,8 @@ byte-identical YAML/JSON), so server-side apply sees no change on resync.
 Children (all owned by the ServedModel, controller=true):
   PersistentVolumeClaim `<name>-cache`   when spec.cache has a size (not existingClaim)
   Deployment            `<name>`         vllm serve (or the simulator) on port 8000 named http
+  LeaderWorkerSet       `<name>`         instead of the Deployment with spec.workers (render/workers.py),
+                                         when leaderworkerset.x-k8s.io exists
   Service               `<name>-engine`  never `vllm` (see api/names.py)
   Route                 `<name>`         edge TLS, only when route.openshift.io exists and expose.route
   ServiceMonitor        `<name>`         only when monitoring.coreos.com exists and monitoring.serviceMonitor
@@ -28,7 +30,7 @@ from servedmodel.api.base import Obj
 from servedmodel.api.crd import dump_yaml
 from servedmodel.api.names import CACHE_MOUNT
 from servedmodel.api.probe import READINESS_GATE_CONDITION
-from servedmodel.api.spec import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from servedmodel.api.spec import DEFAULT_CPU_KV_CACHE_SPACE_GIB, ResourcesSpec
 from servedmodel.config import SIMULATOR_IMAGE, VLLM_CPU_IMAGE, VLLM_IMAGE, OperatorConfig
 
 from .args import (
@@ -44,6 +46,7 @@ from .chat_template import CHAT_TEMPLATE_DIGEST_ANNOTATION
 from .errors import RenderError
 from .inference_pool import inference_pool_objects, pool_labels
 from .meta import child_metadata
+from .workers import leader_worker_set
 
 HOME_MOUNT = "/home/engine"
 HEALTH_PATH = "/health"
@@ -68,6 +71,8 @@ class RenderContext:
     # (InferenceObjective) exist: spec.inferencePool renders them.
     has_inference_pool_api: bool = False
     has_inference_objective_api: bool = False
+    # leaderworkerset.x-k8s.io/v1 exists: spec.workers renders a LeaderWorkerSet.
+    has_lws_api: bool = False
     # A digest of the chat template ConfigMap's key (chat_template.template_digest; the reconciler
     # reads the ConfigMap): when it changes the pod template changes, so a new template rolls the pods.
     chat_template_digest: str | None = None
@@ -88,6 +93,7 @@ class RenderContext:
         has_keda_api: bool = False,
         has_inference_pool_api: bool = False,
         has_inference_objective_api: bool = False,
+        has_lws_api: bool = False,
         chat_template_digest: str | None = None,
     ) -> RenderContext:
         return cls(
@@ -99,6 +105,7 @@ class RenderContext:
             has_keda_api=has_keda_api,
             has_inference_pool_api=has_inference_pool_api,
             has_inference_objective_api=has_inference_objective_api,
+            has_lws_api=has_lws_api,
             chat_template_digest=chat_template_digest,
             allowed_targets=config.target_allow_list,
             allow_insecure_tls=config.allow_insecure_tls,
@@ -195,7 +202,12 @@ def container_security_context(cr: ServedModel) -> Obj:
 
 
 def _resources(cr: ServedModel) -> Obj:
-    res = cr.spec.resources
+    return container_resources(cr, cr.spec.resources)
+
+
+def container_resources(cr: ServedModel, res: ResourcesSpec) -> Obj:
+    """An engine container's resources from `res` (spec.resources, or spec.workers.resources for the
+    workers of a multi-node group), with the engine kind's GPU and CPU-serving rules."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     for src, dst in ((res.requests, requests), (res.limits, limits)):
@@ -360,13 +372,19 @@ def with_revision(template: Obj) -> Obj:
 
 
 def service(cr: ServedModel) -> Obj:
+    # A multi-node group serves from its leader only (the workers run no API server).
+    selector = (
+        names.leader_selector_labels(cr.name)
+        if cr.spec.workers is not None
+        else names.selector_labels(cr.name)
+    )
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": child_metadata(cr, names.service_name(cr.name)),
         "spec": {
             "type": "ClusterIP",
-            "selector": names.selector_labels(cr.name),
+            "selector": selector,
             "ports": [
                 {
                     "name": names.ENGINE_PORT_NAME,
@@ -445,7 +463,16 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
     claim = cache_claim(cr)
     if claim is not None:
         objects.append(claim)
-    objects += [deployment(cr, ctx), service(cr)]
+    engine = deployment(cr, ctx)
+    if cr.spec.workers is not None:
+        # A LeaderWorkerSet where its API exists; without it nothing runs the engine, and the reconciler
+        # says why (LeaderWorkerSetMissing).
+        workers = cr.spec.workers
+        worker_resources = None if workers.resources is None else container_resources(cr, workers.resources)
+        objects += [leader_worker_set(cr, engine, worker_resources)] if ctx.has_lws_api else []
+    else:
+        objects.append(engine)
+    objects.append(service(cr))
     if ctx.has_route_api and cr.spec.expose.route:
         objects.append(route(cr))
     if ctx.has_service_monitor_api and cr.spec.monitoring.service_monitor:

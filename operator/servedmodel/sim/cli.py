@@ -27,6 +27,12 @@ IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--gpu-memory-utilization", True),
     ("--tensor-parallel-size", True),
     ("--pipeline-parallel-size", True),
+    # vLLM's multi-node mode (spec.workers' LeaderWorkerSet): a simulator stands in for each pod of the
+    # group and serves its HTTP on a worker too (--headless), so the probe can check every worker.
+    ("--nnodes", True),
+    ("--node-rank", True),
+    ("--master-addr", True),
+    ("--headless", False),
     ("--dtype", True),
     ("--revision", True),
     ("--download-dir", True),
