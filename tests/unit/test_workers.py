@@ -9,6 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from servedmodel import status
 from servedmodel.api import ServedModel, names
 from servedmodel.probe import group
 from servedmodel.probe.group import WorkerCheck, WorkerWindow
@@ -174,3 +175,41 @@ def test_a_worker_that_cannot_serve_holds_the_group() -> None:
         "worker pod q-0-2: /health did not answer (ConnectError: refused); "
         "worker pod q-0-3: /health answered 503"
     )
+
+
+def test_a_leader_worker_set_read_as_the_deployment_the_status_reads() -> None:
+    lws = {
+        "metadata": {"name": "q", "generation": 3},
+        "spec": {"replicas": 2},
+        "status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2},
+    }
+    view = status.group_as_deployment(lws)
+    assert view is not None
+    assert view["spec"] == {"replicas": 2}
+    assert view["status"] == {
+        "observedGeneration": 3,
+        "replicas": 2,
+        "readyReplicas": 1,
+        "availableReplicas": 1,
+        "updatedReplicas": 2,
+    }
+    assert status.group_as_deployment(None) is None
+
+
+def test_ready_groups_counts_groups_whose_every_pod_is_ready() -> None:
+    def pod(group: str, ready: bool, gone: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"labels": {names.LWS_GROUP_INDEX_LABEL: group}}
+        if gone:
+            meta["deletionTimestamp"] = "2026-12-01T10:00:00Z"
+        cond = {"type": "Ready", "status": "True" if ready else "False"}
+        return {"metadata": meta, "status": {"conditions": [cond]}}
+
+    pods = [
+        pod("0", True),
+        pod("0", True),
+        pod("1", True),
+        pod("1", False),
+        pod("2", True),
+        pod("2", False, True),
+    ]
+    assert status.ready_groups(pods, names.LWS_GROUP_INDEX_LABEL) == 2
