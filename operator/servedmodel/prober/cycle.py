@@ -305,6 +305,7 @@ class CycleRunner:
         else:
             plan = await self._plan(model, spec)
             model.paths = {pod: m for pod, m in model.paths.items() if pod in plan.pods}
+            model.worker_windows = {p: w for p, w in model.worker_windows.items() if p in plan.pods}
             model.metrics_compat = {p: v for p, v in model.metrics_compat.items() if p in plan.pods}
             model.starts = {p: t for p, t in model.starts.items() if p in plan.pods}
             previous = previous_probe_status(status, model.last_status)
