@@ -188,6 +188,13 @@ class OperatorConfig(BaseSettings):
     retry_period: float = Field(
         default=2.0, gt=0, description="Seconds between tries to take or renew the Lease."
     )
+    keda_http_scaler_address: str = Field(
+        default="keda-add-ons-http-external-scaler.keda:9090",
+        description=(
+            "host:port of KEDA HTTP add-on's external scaler (its gRPC service; the Helm chart's default "
+            "name in namespace keda): the wake-up trigger of autoscaling.scaleToZero. Empty: no wake-up."
+        ),
+    )
     probe_sharding: bool = Field(
         default=False,
         description=(

@@ -31,9 +31,10 @@ from .k8s import ApiError, Cache, ConflictError, KubeClient
 from .k8s.cache import owned_by
 from .k8s.reader import Reader
 from .render import RenderContext, RenderError, render
-from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name
+from .render.autoscaling import HPA_API, KEDA_API, hpa_name, keda_hpa_name, wakes
 from .render.chat_template import TEMPLATE_UNREADABLE, TemplateMissing, running_digest, template_digest
 from .render.inference_pool import INFERENCE_OBJECTIVE_API, INFERENCE_POOL_API
+from .render.wake import HTTP_ADD_ON_API
 from .render.workers import LWS_API
 from .status import (
     ApplyFailed,
@@ -69,6 +70,7 @@ CHILD_KINDS: Final = (
     (HPA_API, "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
     (KEDA_API, "scaledobjects", "ScaledObject"),
     (KEDA_API, "triggerauthentications", "TriggerAuthentication"),
+    (HTTP_ADD_ON_API, "httpscaledobjects", "HTTPScaledObject"),
     (INFERENCE_POOL_API, "inferencepools", "InferencePool"),
     (INFERENCE_OBJECTIVE_API, "inferenceobjectives", "InferenceObjective"),
     (LWS_API, "leaderworkersets", "LeaderWorkerSet"),
@@ -321,6 +323,7 @@ async def observe_autoscaler(
     previous: Mapping[str, Any] | None,
     *,
     keda: bool,
+    wakes: bool = True,
 ) -> dict[str, Any] | None:
     """status.autoscaling from the HPA that scales the Deployment (ours, or the one KEDA makes): from
     the watch-fed cache where HPAs are watched (their status changes enqueue the ServedModel)."""
@@ -337,6 +340,7 @@ async def observe_autoscaler(
         hpa=found,
         deployment=observed.deployment,
         previous=before if isinstance(before, dict) else None,
+        wakes=wakes,
     )
 
 
@@ -454,6 +458,7 @@ async def reconcile(
             ROUTE_API: await client.discover(ROUTE_API),
             MONITORING_API: await client.discover(MONITORING_API),
             KEDA_API: await client.discover(KEDA_API),
+            HTTP_ADD_ON_API: await client.discover(HTTP_ADD_ON_API),
             INFERENCE_POOL_API: await client.discover(INFERENCE_POOL_API),
             INFERENCE_OBJECTIVE_API: await client.discover(INFERENCE_OBJECTIVE_API),
             LWS_API: await client.discover(LWS_API),
@@ -467,6 +472,7 @@ async def reconcile(
             has_route_api=optional[ROUTE_API],
             has_service_monitor_api=optional[MONITORING_API],
             has_keda_api=optional[KEDA_API],
+            has_http_add_on_api=optional[HTTP_ADD_ON_API],
             has_inference_pool_api=optional[INFERENCE_POOL_API],
             has_inference_objective_api=optional[INFERENCE_OBJECTIVE_API],
             has_lws_api=optional[LWS_API],
@@ -544,7 +550,17 @@ async def reconcile(
             mode = ApplyFailed(observed, served_model_name, *apply_error)
         else:
             autoscaling = await observe_autoscaler(
-                reader, cr, observed, previous, keda=optional.get(KEDA_API, False)
+                reader,
+                cr,
+                observed,
+                previous,
+                keda=optional.get(KEDA_API, False),
+                wakes=wakes(
+                    cr,
+                    optional.get(KEDA_API, False),
+                    optional.get(HTTP_ADD_ON_API, False),
+                    config.keda_http_scaler_address,
+                ),
             )
             missing = None
             if template_missing is not None:

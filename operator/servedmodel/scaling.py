@@ -26,6 +26,7 @@ HANDOVER_MANAGER: Final = "servedmodel-replicas-handover"
 SCALED_TO_ZERO: Final = "ScaledToZero"
 HPA_MISSING: Final = "HorizontalPodAutoscalerMissing"
 SCALE_TO_ZERO_NEEDS_KEDA: Final = "ScaleToZeroNeedsKEDA"
+WAKE_NEEDS_HTTP_ADD_ON: Final = "WakeNeedsHTTPAddOn"
 
 
 def replicas_owners(deployment: Obj | None) -> set[str]:
@@ -83,9 +84,12 @@ def autoscaling_status(
     hpa: Obj | None,
     deployment: Obj | None,
     previous: Obj | None,
+    wakes: bool = True,
 ) -> dict[str, Any]:
     """status.autoscaling (camelCase). `previous` is the current status.autoscaling: a rescale already
-    recorded keeps its fromReplicas. Deterministic: same HPA status, same dict (no write churn)."""
+    recorded keeps its fromReplicas. `wakes`: a request wakes the model from zero (KEDA's HTTP add-on,
+    render/wake.py); False under KEDA with scaleToZero is said in the message. Deterministic: same HPA
+    status, same dict (no write churn)."""
     auto = spec.autoscaling
     assert auto is not None
     out: dict[str, Any] = {"autoscaler": autoscaler, "horizontalPodAutoscaler": hpa_name}
@@ -130,6 +134,13 @@ def autoscaling_status(
         note = "autoscaling.scaleToZero needs KEDA (keda.sh not found): the HPA keeps at least minReplicas"
         out["message"] = f"{out['message']}; {note}" if out.get("message") else note
         out.setdefault("reason", SCALE_TO_ZERO_NEEDS_KEDA)
+    if autoscaler == "KEDA" and auto.scale_to_zero and not wakes:
+        note = (
+            "nothing wakes the model from zero: KEDA's HTTP add-on (http.keda.sh) is not installed or "
+            "SERVEDMODEL_KEDA_HTTP_SCALER_ADDRESS is empty"
+        )
+        out["message"] = f"{out['message']}; {note}" if out.get("message") else note
+        out.setdefault("reason", WAKE_NEEDS_HTTP_ADD_ON)
     return out
 
 

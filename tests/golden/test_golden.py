@@ -24,6 +24,15 @@ OPENSHIFT = RenderContext(has_route_api=True, has_service_monitor_api=True)
 KEDA = RenderContext(has_route_api=True, has_service_monitor_api=True, has_keda_api=True)
 
 
+# Cases named wake* render as if KEDA and its HTTP add-on (http.keda.sh) were discovered, the add-on's
+# external scaler at the operator's default address (the scaleToZero wake-up, render/wake.py).
+WAKE = RenderContext(
+    has_keda_api=True,
+    has_http_add_on_api=True,
+    http_scaler_address="keda-add-ons-http-external-scaler.keda:9090",
+)
+
+
 # Cases named inference-pool* render as if the Gateway API Inference Extension's APIs were discovered.
 INFERENCE = RenderContext(has_inference_pool_api=True, has_inference_objective_api=True)
 
@@ -35,6 +44,8 @@ LWS = RenderContext(has_lws_api=True)
 def _context(case: Path) -> RenderContext:
     if case.stem.startswith("workers"):
         return LWS
+    if case.stem.startswith("wake"):
+        return WAKE
     if case.stem.startswith("inference-pool"):
         return INFERENCE
     if case.stem.startswith("keda"):
@@ -68,7 +79,7 @@ def _updating() -> bool:
 def test_cases_cover_the_table() -> None:
     stems = {c.stem for c in CASES}
     assert {"qwen-7b-1gpu", "qwen-tp2", "cache-pvc", "external-endpoint", "simulator", "openshift"} <= stems
-    assert {"autoscaling-hpa", "keda-openshift", "inference-pool"} <= stems
+    assert {"autoscaling-hpa", "keda-openshift", "inference-pool", "wake-from-zero"} <= stems
     assert {"qwen-0.5b-cpu", "qwen-0.5b-cpu-defaults"} <= stems
 
 

@@ -115,6 +115,7 @@ KNOWN_RESOURCES: Final = (
     Resource("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
     Resource("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Resource("keda.sh/v1alpha1", "TriggerAuthentication", "triggerauthentications"),
+    Resource("http.keda.sh/v1alpha1", "HTTPScaledObject", "httpscaledobjects"),
     Resource("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
     Resource("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective", "inferenceobjectives"),
     Resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),

@@ -24,6 +24,7 @@ from servedmodel.api.probe import PrometheusSource
 
 from .errors import RenderError
 from .meta import child_metadata
+from .wake import http_scaled_object, wake_trigger
 
 KEDA_API: Final = "keda.sh/v1alpha1"
 HPA_API: Final = "autoscaling/v2"
@@ -229,7 +230,9 @@ def keda_triggers(cr: ServedModel, prom: PrometheusSource) -> list[Obj]:
     return triggers
 
 
-def scaled_object(cr: ServedModel, prom: PrometheusSource) -> Obj:
+def scaled_object(cr: ServedModel, prom: PrometheusSource, wake_scaler_address: str | None = None) -> Obj:
+    """The ScaledObject; with `wake_scaler_address` (scaleToZero and the HTTP add-on installed) it also
+    carries the add-on's external-push trigger, which wakes the model from zero (render/wake.py)."""
     auto = cr.spec.autoscaling
     assert auto is not None
     spec: Obj = {"scaleTargetRef": _target_ref(cr)}
@@ -245,6 +248,8 @@ def scaled_object(cr: ServedModel, prom: PrometheusSource) -> Obj:
     if (behavior := _behavior(auto)) is not None:
         spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": behavior}}
     spec["triggers"] = keda_triggers(cr, prom)
+    if wake_scaler_address is not None:
+        spec["triggers"].append(wake_trigger(cr, wake_scaler_address))
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",
@@ -288,16 +293,34 @@ def _keda_target_allowed(
         )
 
 
+def wakes(
+    cr: ServedModel, has_keda_api: bool, has_http_add_on_api: bool, http_scaler_address: str | None
+) -> bool:
+    """A request wakes this model from zero: scaleToZero, KEDA, the HTTP add-on's API and scaler address."""
+    auto = cr.spec.autoscaling
+    return (
+        auto is not None
+        and auto.scale_to_zero
+        and has_keda_api
+        and has_http_add_on_api
+        and bool(http_scaler_address)
+    )
+
+
 def autoscaler_objects(
     cr: ServedModel,
     *,
     has_keda_api: bool,
     allowed_targets: AllowList | None = None,
     allow_insecure_tls: bool = False,
+    has_http_add_on_api: bool = False,
+    http_scaler_address: str | None = None,
 ) -> list[Obj]:
     """The autoscaler's objects for spec.autoscaling (none when unset or in external mode). KEDA's
     Prometheus URL must pass `allowed_targets` (when given) and may skip TLS verification only with
-    `allow_insecure_tls`: KEDA sends the namespace's token there on the ServedModel author's word."""
+    `allow_insecure_tls`: KEDA sends the namespace's token there on the ServedModel author's word.
+    With scaleToZero, KEDA and its HTTP add-on (http.keda.sh) discovered and the add-on's scaler address
+    configured: the wake-up trigger and an HTTPScaledObject that routes (render/wake.py)."""
     if cr.spec.autoscaling is None or cr.spec.external:
         return []
     if has_keda_api:
@@ -305,5 +328,11 @@ def autoscaler_objects(
         if allowed_targets is not None:
             _keda_target_allowed(cr, prom, allowed_targets, allow_insecure_tls)
         auth = trigger_authentication(cr, prom)
-        return [*([auth] if auth is not None else []), scaled_object(cr, prom)]
+        wake = wakes(cr, has_keda_api, has_http_add_on_api, http_scaler_address)
+        woken = [http_scaled_object(cr)] if wake else []
+        return [
+            *([auth] if auth is not None else []),
+            *woken,
+            scaled_object(cr, prom, http_scaler_address if wake else None),
+        ]
     return [horizontal_pod_autoscaler(cr)]

@@ -67,6 +67,10 @@ class RenderContext:
     has_service_monitor_api: bool = False
     # keda.sh/v1alpha1 exists: spec.autoscaling renders a ScaledObject instead of an HPA.
     has_keda_api: bool = False
+    # http.keda.sh/v1alpha1 (KEDA's HTTP add-on) exists and where its external scaler listens
+    # (SERVEDMODEL_KEDA_HTTP_SCALER_ADDRESS): scaleToZero renders the wake-up (render/wake.py).
+    has_http_add_on_api: bool = False
+    http_scaler_address: str | None = None
     # inference.networking.k8s.io/v1 (InferencePool) and inference.networking.x-k8s.io/v1alpha2
     # (InferenceObjective) exist: spec.inferencePool renders them.
     has_inference_pool_api: bool = False
@@ -91,6 +95,7 @@ class RenderContext:
         has_route_api: bool = False,
         has_service_monitor_api: bool = False,
         has_keda_api: bool = False,
+        has_http_add_on_api: bool = False,
         has_inference_pool_api: bool = False,
         has_inference_objective_api: bool = False,
         has_lws_api: bool = False,
@@ -103,6 +108,8 @@ class RenderContext:
             has_route_api=has_route_api,
             has_service_monitor_api=has_service_monitor_api,
             has_keda_api=has_keda_api,
+            has_http_add_on_api=has_http_add_on_api,
+            http_scaler_address=config.keda_http_scaler_address,
             has_inference_pool_api=has_inference_pool_api,
             has_inference_objective_api=has_inference_objective_api,
             has_lws_api=has_lws_api,
@@ -482,6 +489,8 @@ def render(cr: ServedModel, ctx: RenderContext) -> list[Obj]:
         has_keda_api=ctx.has_keda_api,
         allowed_targets=ctx.allowed_targets,
         allow_insecure_tls=ctx.allow_insecure_tls,
+        has_http_add_on_api=ctx.has_http_add_on_api,
+        http_scaler_address=ctx.http_scaler_address,
     )
     objects += inference_pool_objects(
         cr,
