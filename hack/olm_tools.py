@@ -3,6 +3,8 @@
 - `operator_verify()`: operator-framework/api's `operator-verify` (the validators `operator-sdk bundle
   validate` runs), built once with the machine's Go into the cache beside the control plane.
 - `keda_crd(plural)`: KEDA's CRDs (keda.sh: ScaledObject, TriggerAuthentication) from its Go module.
+- `http_add_on_crd()`: KEDA HTTP add-on's HTTPScaledObject CRD (http.keda.sh) from its Go module at
+  hack/versions.env's KEDA_HTTP_ADD_ON_VERSION.
 - `gie_crd(plural)`: the Gateway API Inference Extension's CRDs (InferencePool, InferenceObjective) from its
   Go module at hack/versions.env's GIE_VERSION, copied once into the cache (gie-<version>/).
 - `olm_crd(name)`: one of OLM's CRDs (e.g. the ClusterServiceVersion's, with its full schema) from the
@@ -25,6 +27,8 @@ PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 # KEDA's CRDs (ScaledObject, TriggerAuthentication), for the autoscaling tests' server-side applies.
 KEDA = "github.com/kedacore/keda/v2"
 KEDA_VERSION = "v2.21.0"
+# KEDA's HTTP add-on (autoscaling.scaleToZero's wake-up); its version is pinned in hack/versions.env.
+HTTP_ADD_ON = "github.com/kedacore/http-add-on"
 # The Gateway API Inference Extension (spec.inferencePool); its version is pinned in hack/versions.env.
 GIE = "sigs.k8s.io/gateway-api-inference-extension"
 GIE_CRD_FILES = {
@@ -55,13 +59,18 @@ def cache_dir() -> Path:
     return _cache_root() / f"olm-api-{OLM_API_VERSION}"
 
 
-def gie_version() -> str:
-    """GIE_VERSION from hack/versions.env (the one place the pins are set)."""
+def _pin(name: str) -> str:
+    """A version pinned in hack/versions.env (the one place the pins are set)."""
     for line in (Path(__file__).resolve().parent / "versions.env").read_text().splitlines():
         key, sep, value = line.strip().partition("=")
-        if sep and key == "GIE_VERSION":
+        if sep and key == name:
             return value.strip()
-    raise ToolUnavailable("GIE_VERSION is not in hack/versions.env")
+    raise ToolUnavailable(f"{name} is not in hack/versions.env")
+
+
+def gie_version() -> str:
+    """GIE_VERSION from hack/versions.env."""
+    return _pin("GIE_VERSION")
 
 
 def _env() -> dict[str, str]:
@@ -127,6 +136,16 @@ def keda_crd(plural: str) -> Path:
     return path
 
 
+def http_add_on_crd() -> Path:
+    """The HTTP add-on's HTTPScaledObject CRD (config/crd/bases of its module)."""
+    version = _pin("KEDA_HTTP_ADD_ON_VERSION")
+    bases = module_dir(HTTP_ADD_ON, version) / "config" / "crd" / "bases"
+    path = bases / "http.keda.sh_httpscaledobjects.yaml"
+    if not path.is_file():
+        raise ToolUnavailable(f"{path} not in the module")
+    return path
+
+
 def gie_crd(plural: str) -> Path:
     """The Gateway API Inference Extension's CRD file for a resource ("inferencepools",
     "inferenceobjectives"), from the cache; the first call copies them out of the Go module."""
@@ -151,4 +170,5 @@ if __name__ == "__main__":
     print(olm_crd("clusterserviceversions"))
     print(prometheus_operator_crd("servicemonitors"))
     print(keda_crd("scaledobjects"))
+    print(http_add_on_crd())
     print(gie_crd("inferencepools"))
