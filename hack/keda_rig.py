@@ -1,0 +1,243 @@
+"""KEDA's operator and its HTTP add-on's interceptor and external scaler on loopback, out of cluster, each
+by its own pid (tests/cluster/test_wake_from_zero.py, bench/cold_start.py); built by hack/build-keda.sh
+and hack/build-keda-http-add-on.sh into the cache. KEDA's metrics-apiserver is not run (1 -> N only).
+
+No cluster DNS here: the interceptor forwards to `<service>.<namespace>:<port>` (the add-on's
+interceptor/middleware/routing.go) and the scaler dials the addresses of the interceptor admin Service's
+EndpointSlice, so both run in a mount namespace of their own with an /etc/hosts bind-mounted over (the
+binaries are static: Go's own resolver, which reads /etc/hosts). The model's Service maps to SIM_HOST,
+where a simulator listens on the Service's port. The admin EndpointSlice holds an FQDN (the API server
+refuses loopback IPs there) that the scaler's /etc/hosts maps to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+import controlplane
+from loopback import LoopbackProcess
+from servedmodel.sim.ports import free_port, health_status, port_open
+
+SIM_HOST = "127.0.0.42"  # a loopback address of its own, so the simulator can listen on the Service's port
+SIM_PORT = 8000  # names.ENGINE_PORT: the port the HTTPScaledObject routes to
+INTERCEPTOR_ADMIN = "servedmodel-interceptor-admin"
+ADMIN_HOST = "interceptor-admin.servedmodel.test"  # the admin EndpointSlice's FQDN (the scaler's /etc/hosts)
+
+
+class RigError(RuntimeError):
+    """A process of the rig exited; its log's tail is the message."""
+
+
+def cache() -> Path:
+    return Path(os.environ.get("SERVEDMODEL_CACHE") or str(Path.home() / ".cache" / "servedmodel"))
+
+
+def binaries() -> dict[str, Path]:
+    """Where the builds put them (they may not exist)."""
+    v = controlplane.versions()
+    addon = cache() / f"keda-http-add-on-{v['KEDA_HTTP_ADD_ON_VERSION']}" / "bin"
+    return {
+        "keda": cache() / f"keda-{v['KEDA_VERSION']}" / "bin" / "keda",
+        "interceptor": addon / "interceptor",
+        "scaler": addon / "scaler",
+    }
+
+
+def with_hosts(folder: Path, hosts: dict[str, str], binary: Path) -> list[str]:
+    """`binary` in its own mount namespace with an /etc/hosts of `hosts` (name -> address) bind-mounted
+    over: what cluster DNS would answer. As root a mount namespace; otherwise a user namespace too."""
+    hosts_file = folder / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in hosts.items()))
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    script = 'mount --bind "$0" /etc/hosts && exec "$1"'
+    return ["unshare", *userns, "--mount", "sh", "-c", script, str(hosts_file), str(binary)]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+class _Checked(LoopbackProcess):
+    what = "process"
+
+    def alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RigError(f"{self.what} exited ({self.proc.returncode}):\n{self.log_text()[-3000:]}")
+
+
+class Keda(_Checked):
+    """KEDA's operator: no leader election, no cert rotation or webhook/APIService patching; its gRPC
+    metrics service (for the metrics-apiserver, not run) on loopback with a certificate of a CA made here
+    (it loads ca.crt, tls.crt and tls.key from --cert-dir even when nothing calls it)."""
+
+    what = "KEDA's operator"
+
+    def __init__(self, cp: controlplane.ControlPlane, binary: Path, namespace: str) -> None:
+        super().__init__("keda-", "keda.log")
+        certs = self.dir / "certs"
+        certs.mkdir()
+        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+        _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+                 "-subj", "/CN=servedmodel-test-keda-ca", cwd=certs)  # fmt: skip
+        _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1", cwd=certs)
+        (certs / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", "tls.crt", "-days", "2", "-extfile", "san.ext", cwd=certs)  # fmt: skip
+        self.health = free_port()
+        self.spawn(
+            [
+                str(binary),
+                "--leader-elect=false",
+                "--enable-cert-rotation=false",
+                "--enable-webhook-patching=false",
+                "--enable-apiservice-patching=false",
+                f"--cert-dir={certs}",
+                f"--ca-dir={certs}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                f"--health-probe-bind-address=127.0.0.1:{self.health}",
+                f"--metrics-service-bind-address=127.0.0.1:{free_port()}",
+            ],
+            env={
+                **os.environ,
+                "KUBECONFIG": str(cp.kubeconfig),
+                "WATCH_NAMESPACE": namespace,
+                "POD_NAMESPACE": namespace,
+                "KEDA_CLUSTER_OBJECT_NAMESPACE": namespace,
+            },
+        )
+
+    def ready(self) -> bool:
+        self.alive()
+        return health_status(self.health, 1.0) == 200
+
+
+class Interceptor(_Checked):
+    """The add-on's interceptor; `hosts` (the model's Service names) map to SIM_HOST."""
+
+    what = "the interceptor"
+
+    def __init__(
+        self, cp: controlplane.ControlPlane, binary: Path, namespace: str, hosts: list[str], wait_s: float
+    ) -> None:
+        super().__init__("keda-interceptor-", "interceptor.log")
+        self.proxy, self.admin = free_port(), free_port()
+        self.spawn(
+            with_hosts(self.dir, dict.fromkeys(hosts, SIM_HOST), binary),
+            env={
+                **os.environ,
+                "KUBECONFIG": str(cp.kubeconfig),
+                "KEDA_HTTP_CURRENT_NAMESPACE": namespace,
+                "KEDA_HTTP_WATCH_NAMESPACE": namespace,
+                "KEDA_HTTP_PROXY_PORT": str(self.proxy),
+                "KEDA_HTTP_ADMIN_PORT": str(self.admin),
+                "OTEL_PROM_EXPORTER_PORT": str(free_port()),
+                # The held request waits for the wake (KEDA, the pod, the probe, the gate): 1.5 s by default.
+                "KEDA_CONDITION_WAIT_TIMEOUT": f"{int(wait_s)}s",
+                "KEDA_RESPONSE_HEADER_TIMEOUT": "60s",
+            },
+        )
+
+    def queue(self) -> Any:
+        """The admin /queue: `<namespace>/<HTTPScaledObject>` -> {Concurrency, RPS}."""
+        return httpx.get(f"http://127.0.0.1:{self.admin}/queue", timeout=2).json()
+
+    def ready(self) -> bool:
+        self.alive()
+        try:
+            self.queue()
+            return True
+        except (httpx.HTTPError, ValueError):
+            return False
+
+
+class Scaler(_Checked):
+    """The add-on's external scaler (gRPC on loopback)."""
+
+    what = "the scaler"
+
+    def __init__(self, cp: controlplane.ControlPlane, binary: Path, namespace: str, admin_port: int) -> None:
+        super().__init__("keda-scaler-", "scaler.log")
+        self.port = free_port()
+        self.spawn(
+            with_hosts(self.dir, {ADMIN_HOST: "127.0.0.1"}, binary),
+            env={
+                **os.environ,
+                "KUBECONFIG": str(cp.kubeconfig),
+                "KEDA_HTTP_SCALER_PORT": str(self.port),
+                "KEDA_HTTP_SCALER_TARGET_ADMIN_NAMESPACE": namespace,
+                "KEDA_HTTP_SCALER_TARGET_ADMIN_SERVICE": INTERCEPTOR_ADMIN,
+                "KEDA_HTTP_SCALER_TARGET_ADMIN_DEPLOYMENT": INTERCEPTOR_ADMIN,
+                "KEDA_HTTP_SCALER_TARGET_ADMIN_PORT": str(admin_port),
+                "KEDA_HTTP_WATCH_NAMESPACE": namespace,
+            },
+        )
+
+    def ready(self) -> bool:
+        self.alive()
+        return port_open(self.port, 1.0)
+
+
+def admin_endpoints(cp: controlplane.ControlPlane, namespace: str, port: int) -> None:
+    """A selector-less Service and its EndpointSlice: the interceptor's admin port at ADMIN_HOST."""
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": INTERCEPTOR_ADMIN, "namespace": namespace},
+            "spec": {"ports": [{"name": "admin", "port": port}]},
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": INTERCEPTOR_ADMIN,
+                "namespace": namespace,
+                "labels": {"kubernetes.io/service-name": INTERCEPTOR_ADMIN},
+            },
+            "addressType": "FQDN",
+            "endpoints": [{"addresses": [ADMIN_HOST], "conditions": {"ready": True}}],
+            "ports": [{"name": "admin", "port": port}],
+        },
+    ]
+    cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+class SimOnServicePort(_Checked):
+    """The simulator on SIM_HOST:SIM_PORT (what the /etc/hosts above makes of the model's Service)."""
+
+    what = "the simulator"
+
+    def __init__(self, model: str = "Qwen/Qwen2.5-0.5B-Instruct", served: str = "qwen") -> None:
+        super().__init__("wake-sim-", "sim.log")
+        self.base_url = f"http://{SIM_HOST}:{SIM_PORT}"
+        self.spawn(
+            [
+                sys.executable,
+                "-m",
+                "servedmodel.sim",
+                "--host",
+                SIM_HOST,
+                "--port",
+                str(SIM_PORT),
+                model,
+                "--served-model-name",
+                served,
+                "--max-model-len",
+                "4096",
+            ]
+        )
+
+    def ready(self) -> bool:
+        self.alive()
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
