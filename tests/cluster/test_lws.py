@@ -168,6 +168,30 @@ def pod_condition(pod: dict[str, Any], type_: str) -> str | None:
     return None
 
 
+def test_without_the_lws_api_a_condition_says_so(
+    control_plane: controlplane.ControlPlane, namespace: str, start_operator: Any
+) -> None:
+    """No LeaderWorkerSet CRD in the cluster: nothing runs the engine (no Deployment in its place) and
+    Degraded says why, naming the API."""
+    cp = control_plane
+    op = start_operator(namespaces=[namespace])
+    body = served_model("qwen", engine={"kind": "simulator"}, resources={"gpus": 0}, workers={"size": 2})
+    apply(cp, namespace, body)
+
+    def degraded() -> dict[str, Any] | None:
+        cond = condition(cluster_support.get(cp, namespace, "servedmodel", "qwen"), "Degraded")
+        return cond if cond.get("reason") == "LeaderWorkerSetMissing" else None
+
+    cond = cluster_support.wait_for(
+        "Degraded: LeaderWorkerSetMissing", degraded, WAIT_S, detail=lambda: op.log(40)
+    )
+    assert "leaderworkerset.x-k8s.io/v1" in cond["message"]
+    assert cp.kubectl("get", "deployment", "qwen", "-n", namespace, check=False).returncode != 0
+    cp.kubectl(
+        "delete", "servedmodels", "--all", "-n", namespace, "--wait=true", "--timeout=30s", check=False
+    )
+
+
 def test_a_two_pod_group_is_gated_whole_and_a_stalled_worker_named(
     control_plane: controlplane.ControlPlane,
     namespace: str,
