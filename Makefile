@@ -58,6 +58,16 @@ keda:
 keda-or-skip:
 	@$(call or_skip,hack/build-keda-http-add-on.sh && hack/build-keda.sh,KEDA and its HTTP add-on,the wake-from-zero cluster test)
 
+## The real node beside kwok (issue 22): kubelet and kube-proxy at the pinned Kubernetes, containerd, the CNI
+## plugins (Go module proxy) and the local pause image, cached in ~/.cache/servedmodel/node-*/ and pause/;
+## runc is Debian's (apt-get install runc). Not in `make test` yet: `make e2e` runs tests/e2e on it.
+node:
+	hack/build-node.sh
+	$(BIN)/python hack/pause_image.py
+
+e2e: install node
+	SERVEDMODEL_E2E=1 $(BIN)/pytest -q tests/e2e -p no:randomly
+
 # OLM's bundle validator (operator-verify) and the Prometheus Operator's CRDs, from the Go module proxy,
 # fetched before pytest (a cold build takes minutes); the tests that need them skip if this fails (or_skip).
 olm-tools-or-skip: install

@@ -712,7 +712,9 @@ def _start_once(
         ])  # fmt: skip
         stages = stages_dir(bin_dir)
         launcher.spawn("kwok", [
-            f"--kubeconfig={kubeconfig}", "--manage-all-nodes=true",
+            f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+            # Only the fake nodes (gpu_node()): a real kubelet's node (hack/realnode.py) is left alone.
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             "--cidr=10.244.0.0/16", "--node-ip=10.240.0.2",
             # Leases renewed by kwok keep the node Ready past the node-lifecycle grace period.
             "--node-lease-duration-seconds=40",

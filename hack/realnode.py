@@ -1,0 +1,298 @@
+"""A real node beside kwok (issue 22): containerd + runc + the CNI bridge + a kubelet, registered with a
+running ControlPlane, started and stopped by pid like the control plane's components.
+
+The node is named REAL_NODE, labelled and tainted ``servedmodel.dev/real-node`` (NoSchedule) so the
+kwok-based tests never land on it unless a pod tolerates the taint. Pods get addresses from POD_CIDR on
+the bridge BRIDGE (no masquerade, no route beyond this machine). Everything the node writes (containerd's
+root/state, the kubelet's root, pod logs, CNI's IPAM, network namespaces) lies under DIR/node and is
+unmounted/removed by stop(), which also kills the containers' shims, deletes the bridge and removes the
+cgroups the kubelet made. Binaries come from hack/build-node.sh; the pause image from hack/pause_image.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import controlplane
+from pause_image import PAUSE_IMAGE, ensure_archive
+
+REAL_NODE = "servedmodel-real-node"
+REAL_NODE_LABEL = "servedmodel.dev/real-node"
+# A private range unused here (the host's is 192.0.2.0/24, kwok's pods 10.244.0.0/16, Services 10.0.0.0/16).
+POD_CIDR = "10.233.0.0/24"
+BRIDGE = "smbr0"
+NODE_STOP_ORDER = ("kubelet", "containerd")
+# The top-level cgroups the kubelet (cgroupsPerQOS) creates in each v1 hierarchy.
+_KUBELET_CGROUPS = ("kubepods",)
+
+
+def node_bin_dir() -> Path:
+    v = controlplane.versions()
+    name = f"node-{v['K8S_VERSION']}-containerd-{v['CONTAINERD_VERSION']}-cni-{v['CNI_PLUGINS_VERSION']}"
+    return controlplane.cache_root().parent / name / "bin"
+
+
+def missing_node_binaries(bin_dir: Path | None = None) -> list[str]:
+    bin_dir = bin_dir or node_bin_dir()
+    names = ["kubelet", "containerd", "ctr", "containerd-shim-runc-v2"]
+    names += [f"cni/{p}" for p in ("bridge", "host-local", "loopback")]
+    missing = [n for n in names if not (bin_dir / n).is_file()]
+    if shutil.which("runc") is None:
+        missing.append("runc (apt-get install runc)")
+    return missing
+
+
+@dataclass
+class RealNode:
+    cp: controlplane.ControlPlane
+    dir: Path
+    bin_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / "containerd.sock"
+
+    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin_dir / "ctr"), "--address", str(self.socket), "-n", "k8s.io", *args],
+            check=check,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the kubelet, every container, containerd and the shims; unmount and remove what the node
+        made (mounts and network namespaces under DIR/node, the bridge, the kubelet's cgroups). Idempotent."""
+        kubelet = self.procs.get("kubelet")
+        if kubelet is not None:
+            controlplane.kill_processes([("kubelet", kubelet.pid, str(self.bin_dir / "kubelet"))], timeout)
+        if self.socket.exists() and "containerd" in self.procs and self.procs["containerd"].poll() is None:
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                for line in self.ctr("tasks", "ls", "-q", check=False).stdout.split():
+                    self.ctr("tasks", "kill", "-s", "SIGKILL", line, check=False)
+                for line in self.ctr("tasks", "ls", "-q", check=False).stdout.split():
+                    self.ctr("tasks", "delete", "-f", line, check=False)
+        containerd = self.procs.get("containerd")
+        if containerd is not None:
+            controlplane.kill_processes(
+                [("containerd", containerd.pid, str(self.bin_dir / "containerd"))], timeout
+            )
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=1.0)
+        self._kill_shims()
+        self._unmount()
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+        self._remove_cgroups()
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "pids").unlink()
+        # The node's logs go beside the control plane's (kept there when a test failed).
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.cp.log_dir / "node", ignore_errors=True)
+            shutil.move(self.dir / "logs", self.cp.log_dir / "node")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_shims(self) -> None:
+        # The shims run in their own sessions and outlive containerd; each names our socket in its argv.
+        needle = str(self.socket).encode()
+        shims: list[tuple[str, int, str]] = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and needle in argv:
+                shims.append(("shim", int(proc.name), argv[0].decode()))
+        controlplane.kill_processes(shims, 5.0)
+
+    def _unmount(self) -> None:
+        prefix = str(self.dir) + "/"
+        for _ in range(3):
+            mounts = [
+                line.split()[1]
+                for line in Path("/proc/mounts").read_text().splitlines()
+                if line.split()[1].startswith(prefix)
+            ]
+            if not mounts:
+                return
+            for m in sorted(mounts, key=len, reverse=True):
+                subprocess.run(["umount", "-l", m], capture_output=True, check=False)
+
+    @staticmethod
+    def _remove_cgroups() -> None:
+        root = Path("/sys/fs/cgroup")
+        for hierarchy in root.iterdir() if root.is_dir() else []:
+            for name in _KUBELET_CGROUPS:
+                top = hierarchy / name
+                if not top.is_dir() or top.is_symlink():
+                    continue
+                # Depth-first rmdir: a v1 cgroup directory is removed with rmdir once its children are.
+                for d in sorted(
+                    (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+                ):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+                with contextlib.suppress(OSError):
+                    top.rmdir()
+
+
+def _containerd_config(d: Path, bin_dir: Path) -> str:
+    runc = shutil.which("runc") or "runc"
+    return f"""version = 3
+root = "{d / "containerd" / "root"}"
+state = "{d / "containerd" / "state"}"
+disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor.v1.otlp",
+  "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "{d / "containerd.sock"}"
+
+[ttrpc]
+  address = "{d / "containerd.sock.ttrpc"}"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d / "containerd" / "opt"}"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{PAUSE_IMAGE}"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  enable_selinux = false
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "{runc}"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{bin_dir / "cni"}"]
+    conf_dir = "{d / "cni" / "net.d"}"
+    max_conf_num = 1
+
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+"""
+
+
+def _cni_config(d: Path) -> dict[str, object]:
+    return {
+        "cniVersion": "1.0.0",
+        "name": "servedmodel-real-node",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": POD_CIDR}]],
+                    "routes": [{"dst": POD_CIDR}],
+                    "dataDir": str(d / "cni" / "ipam"),
+                },
+            }
+        ],
+    }
+
+
+def _kubelet_config(d: Path, port: int, healthz: int) -> dict[str, object]:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": "127.0.0.1",
+        "port": port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": healthz,
+        "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "failCgroupV1": False,
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{d / 'containerd.sock'}",
+        "podLogsDir": str(d / "pod-logs"),
+        "podCIDR": POD_CIDR,
+        "registerWithTaints": [{"key": REAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}],
+        "makeIPTablesUtilChains": False,
+        "serializeImagePulls": False,
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "resolvConf": "/etc/resolv.conf",
+        "syncFrequency": "5s",
+        "fileCheckFrequency": "5s",
+        "nodeStatusUpdateFrequency": "5s",
+        "protectKernelDefaults": False,
+        "localStorageCapacityIsolation": False,
+    }
+
+
+def start(cp: controlplane.ControlPlane, *, bin_dir: Path | None = None, timeout: float = 180.0) -> RealNode:
+    """Start containerd (the pause image imported) and a kubelet registered as REAL_NODE with ``cp``;
+    return once the Node is Ready. On failure everything started is stopped."""
+    bin_dir = bin_dir or node_bin_dir()
+    missing = missing_node_binaries(bin_dir)
+    if missing:
+        raise controlplane.ControlPlaneError(
+            f"missing in {bin_dir}: {', '.join(missing)}; build them with `make node` (hack/build-node.sh)"
+        )
+    d = cp.dir / "node"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "cni" / "net.d").mkdir(parents=True)
+    launcher = controlplane._Launcher(d, bin_dir, detach=False)
+    node = RealNode(cp=cp, dir=d, bin_dir=bin_dir, procs=launcher.procs)
+    deadline = time.monotonic() + timeout
+    try:
+        (d / "containerd.toml").write_text(_containerd_config(d, bin_dir))
+        (d / "cni" / "net.d" / "10-servedmodel.conflist").write_text(json.dumps(_cni_config(d), indent=2))
+        # containerd finds containerd-shim-runc-v2 on PATH.
+        os.environ["PATH"] = f"{bin_dir}:{os.environ.get('PATH', '')}"
+        launcher.spawn("containerd", [f"--config={d / 'containerd.toml'}", "--log-level=info"])
+        controlplane._wait(
+            "containerd socket", launcher, deadline, lambda: node.ctr("version", check=False).returncode == 0
+        )
+        node.ctr("images", "import", "--all-platforms", str(ensure_archive()))
+        port, healthz = controlplane.free_ports(2)
+        (d / "kubelet.json").write_text(json.dumps(_kubelet_config(d, port, healthz), indent=2))
+        launcher.spawn("kubelet", [
+            f"--config={d / 'kubelet.json'}",
+            f"--kubeconfig={cp.kubeconfig}",
+            f"--root-dir={d / 'kubelet'}",
+            f"--cert-dir={d / 'kubelet' / 'pki'}",
+            f"--hostname-override={REAL_NODE}",
+            f"--node-labels={REAL_NODE_LABEL}=true",
+            "--v=2",
+        ])  # fmt: skip
+
+        def ready() -> bool:
+            obj = cp.request("GET", f"/api/v1/nodes/{REAL_NODE}")
+            conds = obj.get("status", {}).get("conditions") or []
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+        controlplane._wait(f"node {REAL_NODE} Ready (kubelet)", launcher, deadline, ready)
+    except BaseException:
+        node.stop()
+        raise
+    return node

@@ -1,0 +1,97 @@
+"""A real container on the real node: the engine simulator (python -m servedmodel.sim) in a pod on
+realnode.REAL_NODE, its rootfs the locally built pause image with this machine's Python and the checkout
+mounted read-only; the kubelet's readiness probe and this process reach it at its pod IP over the
+CNI bridge."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import controlplane
+import realnode
+from pause_image import PAUSE_IMAGE
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+ROOT = Path(__file__).resolve().parents[2]
+SIM_PORT = 8000
+
+
+def _ro_host(name: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": name, "hostPath": {"path": path, "type": "Directory"}}
+    return volume, {"name": name, "mountPath": path, "readOnly": True}
+
+
+def sim_pod(name: str) -> dict[str, Any]:
+    mounts = [
+        _ro_host(n, p) for n, p in (("usr", "/usr"), ("lib", "/lib"), ("lib64", "/lib64"), ("src", str(ROOT)))
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {realnode.REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": realnode.REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 2,
+            "volumes": [v for v, _ in mounts],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": PAUSE_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": [
+                        sys.executable,
+                        "-m",
+                        "servedmodel.sim",
+                        "--host",
+                        "0.0.0.0",
+                        "--port",
+                        str(SIM_PORT),
+                    ],
+                    "env": [
+                        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+                        {"name": "HOME", "value": "/tmp"},
+                    ],
+                    "volumeMounts": [m for _, m in mounts],
+                    "readinessProbe": {
+                        "httpGet": {"path": "/health", "port": SIM_PORT},
+                        "periodSeconds": 1,
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conds = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def test_simulator_pod_ready_on_real_node(
+    bare_control_plane: controlplane.ControlPlane, real_node: realnode.RealNode, namespace: str
+) -> None:
+    cp = bare_control_plane
+    cp.request("POST", f"/api/v1/namespaces/{namespace}/pods", sim_pod("sim"))
+    deadline = time.monotonic() + 60
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods/sim")
+        if _ready(pod):
+            break
+        time.sleep(0.5)
+    assert _ready(pod), f"pod not Ready: {pod.get('status')}\n{real_node.dir}"
+    assert pod["spec"]["nodeName"] == realnode.REAL_NODE
+    ip = ipaddress.ip_address(pod["status"]["podIP"])
+    assert ip in ipaddress.ip_network(realnode.POD_CIDR)
+    with urllib.request.urlopen(f"http://{ip}:{SIM_PORT}/health", timeout=5) as r:
+        assert r.status == 200
+    cp.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/sim")
