@@ -148,7 +148,8 @@ class RealNode:
 
 
 def _containerd_config(d: Path, bin_dir: Path) -> str:
-    runc = shutil.which("runc") or "runc"
+    # SERVEDMODEL_RUNC: another runc than the one on PATH (Debian's 1.1.5 fails pod sandboxes here).
+    runc = os.environ.get("SERVEDMODEL_RUNC") or shutil.which("runc") or "runc"
     return f"""version = 3
 root = "{d / "containerd" / "root"}"
 state = "{d / "containerd" / "state"}"
