@@ -12,6 +12,7 @@ refuses loopback IPs there) that the scaler's /etc/hosts maps to 127.0.0.1.
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import yaml
 
 import controlplane
 from loopback import LoopbackProcess
-from servedmodel.sim.ports import free_port, health_status, port_open
+from servedmodel.sim.ports import free_port, port_open
 
 SIM_HOST = "127.0.0.42"  # a loopback address of its own, so the simulator can listen on the Service's port
 SIM_PORT = 8000  # names.ENGINE_PORT: the port the HTTPScaledObject routes to
@@ -115,8 +116,16 @@ class Keda(_Checked):
         )
 
     def ready(self) -> bool:
+        # controller-runtime's health probe serves /healthz and /readyz (not the engines' /health)
         self.alive()
-        return health_status(self.health, 1.0) == 200
+        conn = http.client.HTTPConnection("127.0.0.1", self.health, timeout=1.0)
+        try:
+            conn.request("GET", "/readyz")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
 
 
 class Interceptor(_Checked):

@@ -91,18 +91,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
             report.sections.append((f"operator {i} log ({op.log_path})", op.log(tail=200)))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `keda` (the wake from zero with KEDA's real operator, which does not run healthy out of
-    cluster yet) run only with SERVEDMODEL_KEDA=1 (`make keda-test`), so CI neither builds KEDA nor waits
-    on a test known to fail."""
-    if os.environ.get("SERVEDMODEL_KEDA") == "1":
-        return
-    deselected = [i for i in items if i.get_closest_marker("keda")]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [i for i in items if not i.get_closest_marker("keda")]
-
-
 @pytest.fixture
 def start_operator(
     control_plane: controlplane.ControlPlane, tmp_path: Path, request: pytest.FixtureRequest
