@@ -449,6 +449,7 @@ EXPECTED_RIGHTS = {
     ("horizontalpodautoscalers.autoscaling", "[get list watch create patch delete]"),
     ("scaledobjects.keda.sh", "[list watch create patch delete]"),
     ("triggerauthentications.keda.sh", "[list watch create patch delete]"),
+    ("httpscaledobjects.http.keda.sh", "[list create patch delete]"),
     ("inferencepools.inference.networking.k8s.io", "[list create patch delete]"),
     ("inferenceobjectives.inference.networking.x-k8s.io", "[list create patch delete]"),
     ("leaderworkersets.leaderworkerset.x-k8s.io", "[get list create patch delete]"),

@@ -124,9 +124,12 @@ async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLL
     assert status.usage.prompt_tokens + status.usage.completion_tokens == status.usage.total_tokens
     finished = out.timing.finish_reason
     assert d[f"vllm:request_success_total/{finished}"] == 1
-    # One token per chunk from real vLLM: the client saw every generated token as its own event (token
-    # chunks: a token whose text the stop string's hold-back keeps back comes as {"content": ""}).
-    assert len(out.timing.token_ns) == status.usage.completion_tokens
+    # At most one token per chunk from real vLLM: the client saw each event vLLM sent (token chunks: a
+    # token whose text the stop string's hold-back keeps back comes as {"content": ""}). Fewer events than
+    # tokens when vLLM's own API server was behind its engine: its RequestOutputCollector merges the
+    # deltas the stream has not taken yet (vllm/v1/engine/output_processor.py, aggregate for DELTA), as a
+    # loaded CI machine showed (13 events for 16 tokens).
+    assert 1 <= len(out.timing.token_ns) <= status.usage.completion_tokens
     assert out.timing.chunk_tokens == [1] * status.usage.completion_tokens
 
 
