@@ -114,6 +114,20 @@ def get(cp: controlplane.ControlPlane, namespace: str, *what: str) -> dict[str, 
     return out
 
 
+def engine_pods(cp: controlplane.ControlPlane, namespace: str, name: str = "qwen") -> list[dict[str, Any]]:
+    """ServedModel `name`'s engine pods that are not being deleted."""
+    pods = cp.get_json("pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")
+    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready_since(pod: dict[str, Any]) -> str | None:
+    """When the pod's Ready condition last turned True (RFC 3339), None while it is not Ready."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") == "True":
+            return str(c["lastTransitionTime"])
+    return None
+
+
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     """The condition of that type in obj's status, or {} when there is none (or no obj)."""
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:

@@ -16,7 +16,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-from cluster_support import apply, metric_sum, served_model
+from cluster_support import apply, engine_pods, metric_sum, ready_since, served_model
 
 import controlplane
 from rollout_rig import write_override
@@ -33,18 +33,6 @@ SIM_ARGS = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-
 
 def when(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def engine_pods(cp: controlplane.ControlPlane, namespace: str) -> list[dict[str, Any]]:
-    pods = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=qwen")
-    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
-def ready_time(pod: dict[str, Any]) -> str | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready" and c.get("status") == "True":
-            return str(c["lastTransitionTime"])
-    return None
 
 
 def test_a_slow_engine_start_is_timed_stage_by_stage(
@@ -79,7 +67,7 @@ def test_a_slow_engine_start_is_timed_stage_by_stage(
         written = cluster_support.wait_for("status.startup of the pod", recorded, WAIT_S, detail=op.log)
         [pod] = cluster_support.wait_for(
             "the pod Ready (its gate opened)",
-            lambda: [p for p in engine_pods(cp, namespace) if ready_time(p)] or None,
+            lambda: [p for p in engine_pods(cp, namespace) if ready_since(p)] or None,
             WAIT_S,
             detail=op.log,
         )
@@ -111,7 +99,7 @@ def test_a_slow_engine_start_is_timed_stage_by_stage(
     assert sum(seconds for _, seconds in stages) == pytest.approx(last.total_seconds, abs=0.01)
     # The first token opened the gate and the pod turned Ready: the total is the pod's Ready time within
     # one probe interval (the API's timestamps are whole seconds: Ready may read up to 1 s early).
-    ready_ready = (when(ready_time(pod) or "") - when(pod["metadata"]["creationTimestamp"])).total_seconds()
+    ready_ready = (when(ready_since(pod) or "") - when(pod["metadata"]["creationTimestamp"])).total_seconds()
     assert -1.0 <= ready_ready - last.total_seconds <= INTERVAL_S
     assert status.p50 is not None
     assert status.p50.total_seconds == last.total_seconds  # one start: its own median

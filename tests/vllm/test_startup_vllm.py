@@ -15,7 +15,7 @@ from typing import Any
 
 import cluster_support
 import pytest
-from cluster_support import apply, metric_sum, served_model
+from cluster_support import apply, engine_pods, metric_sum, ready_since, served_model
 
 import controlplane
 import summary
@@ -31,18 +31,6 @@ INTERVAL_S = 5
 
 def when(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def engine_pods(cp: controlplane.ControlPlane, namespace: str) -> list[dict[str, Any]]:
-    pods = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=qwen")
-    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
-def ready_time(pod: dict[str, Any]) -> str | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready" and c.get("status") == "True":
-            return str(c["lastTransitionTime"])
-    return None
 
 
 def test_real_vllms_start_is_timed_stage_by_stage(
@@ -77,7 +65,7 @@ def test_real_vllms_start_is_timed_stage_by_stage(
     written = cluster_support.wait_for("status.startup of the pod", recorded, WAIT_S, detail=op.log)
     [pod] = cluster_support.wait_for(
         "the pod Ready (its gate opened)",
-        lambda: [p for p in engine_pods(cp, namespace) if ready_time(p)] or None,
+        lambda: [p for p in engine_pods(cp, namespace) if ready_since(p)] or None,
         WAIT_S,
         detail=op.log,
     )
@@ -109,7 +97,7 @@ def test_real_vllms_start_is_timed_stage_by_stage(
     assert last.total_seconds is not None
     assert sum(seconds for _, seconds in stages) == pytest.approx(last.total_seconds, abs=0.01)
     # The first token opened the gate: the pod's Ready within one probe interval of the total.
-    ready_after = (when(ready_time(pod) or "") - created).total_seconds()
+    ready_after = (when(ready_since(pod) or "") - created).total_seconds()
     assert -1.0 <= ready_after - last.total_seconds <= INTERVAL_S
     summary.LINES.append(
         f"real vLLM start (status.startup, {name}): "
