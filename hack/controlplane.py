@@ -391,6 +391,20 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
 
 
+def loopback_serving_cert(certs: Path, ca_name: str, *, server_auth: bool = False) -> None:
+    """A CA of its own (`ca.crt`, `ca.key`) and a certificate it signs for 127.0.0.1 (`tls.crt`, `tls.key`)
+    in `certs`, for a component the tests run out of cluster (KEDA's gRPC service, LWS's webhooks);
+    `server_auth` adds extendedKeyUsage=serverAuth (the API server checks it on webhook servers)."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+             "-subj", f"/CN={ca_name}", cwd=certs)  # fmt: skip
+    _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1", cwd=certs)
+    ext = "subjectAltName=IP:127.0.0.1\n" + ("extendedKeyUsage=serverAuth\n" if server_auth else "")
+    (certs / "san.ext").write_text(ext)
+    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "tls.crt", "-days", "2", "-extfile", "san.ext", cwd=certs)  # fmt: skip
+
+
 def _make_pki(pki: Path) -> None:
     """A CA, a serving certificate for 127.0.0.1/localhost, and the service-account signing key.
     EC P-256 keys: generated in milliseconds, accepted by every component."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,10 +60,6 @@ def with_hosts(folder: Path, hosts: dict[str, str], binary: Path) -> list[str]:
     return ["unshare", *userns, "--mount", "sh", "-c", script, str(hosts_file), str(binary)]
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
 class _Checked(LoopbackProcess):
     what = "process"
 
@@ -85,13 +80,7 @@ class Keda(_Checked):
         super().__init__("keda-", "keda.log")
         certs = self.dir / "certs"
         certs.mkdir()
-        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-        _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-                 "-subj", "/CN=servedmodel-test-keda-ca", cwd=certs)  # fmt: skip
-        _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1", cwd=certs)
-        (certs / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-        _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", "tls.crt", "-days", "2", "-extfile", "san.ext", cwd=certs)  # fmt: skip
+        controlplane.loopback_serving_cert(certs, "servedmodel-test-keda-ca")
         self.health = free_port()
         self.spawn(
             [

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -62,10 +61,6 @@ def lws_built() -> Path:
     return root
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
 class LwsController(LoopbackProcess):
     """The LWS controller manager on the test's control plane: no leader election, no internal cert
     management (it would write its certificate into a Secret for an in-cluster Service), its webhook
@@ -77,13 +72,7 @@ class LwsController(LoopbackProcess):
         self.port, self.health = free_port(), free_port()
         certs = self.dir / "certs"
         certs.mkdir()
-        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-        _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-                 "-subj", "/CN=servedmodel-test-lws-ca", cwd=certs)  # fmt: skip
-        _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1", cwd=certs)
-        (certs / "san.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-        _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", "tls.crt", "-days", "2", "-extfile", "san.ext", cwd=certs)  # fmt: skip
+        controlplane.loopback_serving_cert(certs, "servedmodel-test-lws-ca", server_auth=True)
         self.ca_bundle = base64.b64encode((certs / "ca.crt").read_bytes()).decode()
         config = {
             "apiVersion": "config.lws.x-k8s.io/v1alpha1",
