@@ -307,3 +307,69 @@ def test_the_histogram_counts_each_start_once_and_its_stages_sum_to_the_total() 
     assert stages == pytest.approx(sample("sum", "total"))
     metrics.forget("ns", "q")
     assert sample("count", "total") == 0
+
+
+def activated(seconds: float, message: str = "from 0 to 1", field: str = "eventTime") -> dict[str, Any]:
+    """KEDA's Event on the ScaledObject when it scales the target (keda's scale executor's wording)."""
+    when = (CREATED + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {
+        "reason": startup.KEDA_ACTIVATED,
+        "involvedObject": {"kind": "ScaledObject", "name": "q"},
+        "message": f"Scaled apps/v1.Deployment ns/q {message}, triggered by http-requests",
+        field: when,
+    }
+
+
+def test_a_wake_is_keda_s_latest_scale_from_zero_before_the_pod() -> None:
+    events = [
+        activated(-600),  # an earlier wake's
+        activated(-1.2),
+        activated(-0.5, message="from 1 to 2"),  # not from zero: scaling up an awake model
+        {"reason": "KEDAScaleTargetDeactivated", "message": "from 1 to 0", "eventTime": ts(-0.2)},
+        activated(30),  # after the pod: another wake's
+    ]
+    assert startup.wake_activation(events, at(0)) == at(-1.2)
+    # firstTimestamp where the Event has no eventTime (a core/v1 recorder); the pod a little earlier than
+    # the Event the API server stamped after KEDA's scale call.
+    assert startup.wake_activation([activated(2.0, field="firstTimestamp")], at(0)) == at(2.0)
+    # a pod created long after the last wake (a crash at 1 replica) is no wake
+    assert startup.wake_activation([activated(-600)], at(0)) is None
+    assert startup.wake_activation([], at(0)) is None
+
+
+def test_a_woken_pod_s_timeline_counts_its_wake_from_keda_s_activation() -> None:
+    t = startup.timeline(pod(**FULL), [], at(45.5), at(50.25), at(-1.75))
+    assert t is not None
+    assert t.wake_seconds == 52.0
+    assert t.total_seconds == 50.25
+    assert t.activated is not None
+    assert startup.parse_rfc3339(t.activated) == at(-1.75)
+    dumped = t.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["wakeSeconds"] == 52.0
+    assert dumped["activated"].endswith("Z")
+    # not a wake: neither field
+    plain = startup.timeline(pod(**FULL), [], at(45.5), at(50.25))
+    assert plain is not None
+    assert plain.wake_seconds is None
+    assert plain.activated is None
+
+
+def test_wakes_have_their_p50_and_histogram() -> None:
+    woken = startup.timeline(pod("q-a", **FULL), [], at(45.5), at(50.25), at(-1.75))
+    cold = startup.timeline(pod("q-b", **FULL), [], at(45.5), at(60.0))
+    assert woken is not None
+    assert cold is not None
+    status, added = startup.summarize_starts(None, [woken, cold])
+    assert status is not None
+    assert len(added) == 2
+    assert status.p50 is not None
+    assert status.p50.wake_seconds == 52.0
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry)
+    for start in added:
+        metrics.record_start("ns", "q", start)
+    labels = {"namespace": "ns", "name": "q"}
+    assert registry.get_sample_value("servedmodel_wake_seconds_count", labels) == 1
+    assert registry.get_sample_value("servedmodel_wake_seconds_sum", labels) == 52.0
+    metrics.forget("ns", "q")
+    assert registry.get_sample_value("servedmodel_wake_seconds_count", labels) is None

@@ -7,6 +7,12 @@ state.running.startedAt), containersReady (ContainersReady: the kubelet's readin
 engineHealthy (the probe's first GET /health answered 200 on that pod), firstToken (the first content
 token of the probe's first successful streamed chat on that pod: the cold start's end, `totalSeconds`).
 probe/startup.py builds them; a stage the cluster did not say is left out.
+
+A pod KEDA created by waking the model from zero (spec.autoscaling.scaleToZero with the HTTP add-on) also
+has `activated`, KEDA's scale from 0 (its KEDAScaleTargetActivated Event: the add-on's scaler reported a
+held request), and `wakeSeconds`, from that moment to the pod's first real token: the wait of the request
+the interceptor held, less the scaler's and KEDA's polling before the activation and the interceptor's
+forward after it (bench/cold_start.py puts both side by side).
 """
 
 from __future__ import annotations
@@ -63,6 +69,12 @@ class StartupStages(ApiModel):
     total_seconds: float | None = Field(
         default=None, ge=0, description="The cold start: pod creation to the first real token, seconds."
     )
+    wake_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="A wake from zero: KEDA's scale from 0 (`activated`) to the first real token, seconds "
+        "(counted from the activation, not from the pod's creation).",
+    )
 
 
 class StartupTimeline(StartupStages):
@@ -74,6 +86,11 @@ class StartupTimeline(StartupStages):
     )
     restarts: int = Field(
         default=0, ge=0, description="Engine container restarts before its first real token."
+    )
+    activated: str | None = Field(
+        default=None,
+        max_length=64,
+        description="A wake from zero: when KEDA scaled the model from 0 (KEDAScaleTargetActivated).",
     )
 
 

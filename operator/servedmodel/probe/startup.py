@@ -9,6 +9,9 @@ chat on it. Its stages (api/startup.py) come from what says each of them:
 - the probe: its first GET /health that answered 200, and the first token of its first successful stream
   (both on this pod's engine incarnation; `observe` follows them cycle by cycle).
 
+A pod KEDA created when it woke the model from zero: `wake_activation` finds KEDA's scale from 0 among the
+ScaledObject's Events, and the timeline adds `activated` and `wakeSeconds` (activation to first token).
+
 A start is counted once, when its first token comes: a pod the probe first saw already serving (the
 status says so: an operator that restarted, another leader) is not a start it saw, and an engine that
 restarts after serving is not a cold start from the pod's creation (neither is recorded).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from servedmodel.api.conditions import find
@@ -39,6 +42,17 @@ from .report import parse_rfc3339
 from .sse import percentile
 
 TOTAL: Final = "total"
+WAKE: Final = "wake"
+# KEDA's Event when it scales a target from 0 (keda pkg/scaling/executor/scale_scaledobjects.go):
+# "Scaled apps/v1.Deployment <ns>/<name> from 0 to 1, triggered by <trigger>".
+KEDA_ACTIVATED: Final = "KEDAScaleTargetActivated"
+_FROM_ZERO = re.compile(r"\bfrom 0 to [1-9]")
+# A wake's pod is created by the Deployment controller within seconds of KEDA's scale; an activation older
+# than this is another wake's (a pod created later, e.g. after a crash at 1 replica, is not a wake).
+WAKE_WINDOW_S: Final = 120.0
+# The API server stamps the Event after KEDA's scale call returned, so the ReplicaSet's pod can be created
+# a little before the Event's own time.
+WAKE_SLACK_S: Final = 5.0
 
 
 def stage_field(stage: str) -> str:
@@ -96,14 +110,36 @@ def _pulled_at(events: Sequence[Mapping[str, Any]], container: str) -> datetime 
             f"spec.containers{{{container}}}",
         ):
             continue
-        when = (
-            parse_rfc3339(e.get("eventTime"))
-            or parse_rfc3339(e.get("firstTimestamp"))
-            or parse_rfc3339(e.get("lastTimestamp"))
-        )
+        when = _event_time(e)
         if when is not None:
             times.append(when)
     return min(times, default=None)
+
+
+def _event_time(e: Mapping[str, Any]) -> datetime | None:
+    return (
+        parse_rfc3339(e.get("eventTime"))
+        or parse_rfc3339(e.get("firstTimestamp"))
+        or parse_rfc3339(e.get("lastTimestamp"))
+    )
+
+
+def wake_activation(scaled_object_events: Sequence[Mapping[str, Any]], created: datetime) -> datetime | None:
+    """When KEDA scaled the model from 0 to make the pod created at `created`: the latest
+    KEDAScaleTargetActivated "from 0 to N" Event at most WAKE_WINDOW_S before the pod (None: not a wake)."""
+    best: datetime | None = None
+    for e in scaled_object_events:
+        if e.get("reason") != KEDA_ACTIVATED or not _FROM_ZERO.search(
+            str(e.get("message") or e.get("note") or "")
+        ):
+            continue
+        when = _event_time(e)
+        if when is None:
+            continue
+        ahead = (created - when).total_seconds()
+        if -WAKE_SLACK_S <= ahead <= WAKE_WINDOW_S and (best is None or when > best):
+            best = when
+    return best
 
 
 def timeline(
@@ -111,9 +147,11 @@ def timeline(
     events: Sequence[Mapping[str, Any]],
     healthy_at: datetime | None,
     first_token_at: datetime,
+    activated_at: datetime | None = None,
 ) -> StartupTimeline | None:
     """One pod's start, each stage in seconds from its creation (None: the pod has no creationTimestamp).
-    A stage nothing said is left out; none is negative (the probe's clock against the API server's)."""
+    A stage nothing said is left out; none is negative (the probe's clock against the API server's).
+    `activated_at`: KEDA's scale from 0 that created the pod (wake_activation), for wakeSeconds."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     created = parse_rfc3339(meta.get("creationTimestamp"))
     if created is None:
@@ -138,6 +176,14 @@ def timeline(
         engine_healthy_seconds=since(healthy_at),
         first_token_seconds=first_token,
         total_seconds=first_token,
+        activated=None
+        if activated_at is None
+        else activated_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        wake_seconds=(
+            None
+            if activated_at is None
+            else round(max(0.0, (first_token_at - activated_at).total_seconds()), 3)
+        ),
     )
 
 
@@ -160,7 +206,7 @@ def stage_seconds(t: StartupStages) -> list[tuple[str, float]]:
 
 def _quantile(recent: Sequence[StartupTimeline], q: float) -> StartupStages:
     fields: dict[str, float | None] = {}
-    for name in [*(stage_field(s) for s in STARTUP_STAGES), stage_field(TOTAL)]:
+    for name in [*(stage_field(s) for s in STARTUP_STAGES), stage_field(TOTAL), stage_field(WAKE)]:
         values = [v for t in recent if (v := getattr(t, name)) is not None]
         p = percentile(values, q)
         fields[name] = None if p is None else round(p, 3)

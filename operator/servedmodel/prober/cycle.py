@@ -81,7 +81,9 @@ from servedmodel.probe.replicas import (
     pod_revision,
     stall_verdict,
 )
+from servedmodel.probe.report import parse_rfc3339
 from servedmodel.probe.schedule import NOT_READY_WAIT_S, next_delay
+from servedmodel.render.autoscaling import scaled_object_name
 
 from . import adapters
 from .sources import Sources
@@ -312,7 +314,7 @@ class CycleRunner:
             if plan.targets:
                 rollout = previous_rollout(status, model.last_patch)
                 probed = await self._probe_pods(model, spec, plan.targets, rollout)
-                started = await self._startups(model, probed, plan, previous)
+                started = await self._startups(model, spec, probed, plan, previous)
                 out = aggregate(probed)
                 if spec.adapters:  # loaded, unloaded and probed on the pods that serve (prober/adapters.py)
                     targets = [adapters.Target(t.name, t.url, pod_incarnation(t.pod)) for t in plan.targets]
@@ -616,12 +618,19 @@ class CycleRunner:
         return results
 
     async def _startups(
-        self, model: Model, probed: list[PodResult], plan: _Plan, previous: ProbeStatus | None
+        self,
+        model: Model,
+        spec: ServedModelSpec,
+        probed: list[PodResult],
+        plan: _Plan,
+        previous: ProbeStatus | None,
     ) -> list[StartupTimeline]:
         """The starts this cycle ended (a pod's first real token, probe/startup.py), each with its pod's
-        Events read once (its image pulled). A pod the status already calls serving at first sight is
-        not a start this scheduler saw."""
-        namespace, _ = model.key
+        Events read once (its image pulled), and, for a model that scales to zero, its ScaledObject's
+        (KEDA's scale from 0: the pod is a wake). A pod the status already calls serving at first sight
+        is not a start this scheduler saw."""
+        namespace, name = model.key
+        auto = spec.autoscaling
         served = {p.name for p in (previous.pods or []) if p.serving == "True"} if previous else set()
         ended: list[StartupTimeline] = []
         for r in probed:
@@ -632,25 +641,33 @@ class CycleRunner:
             track, done = startup.observe(before, pod_incarnation(pod), r.outcome, r.name in served)
             model.starts[r.name] = track
             if done and track.first_token_at is not None:
-                events = await self._pod_events(namespace, pod)
-                start = startup.timeline(pod, events, track.healthy_at, track.first_token_at)
+                events = await self._events(
+                    namespace, {"involvedObject.uid": (pod.get("metadata") or {}).get("uid")}
+                )
+                activated = None
+                created = parse_rfc3339((pod.get("metadata") or {}).get("creationTimestamp"))
+                if auto is not None and auto.scale_to_zero and created is not None:
+                    keda = await self._events(
+                        namespace,
+                        {
+                            "involvedObject.kind": "ScaledObject",
+                            "involvedObject.name": scaled_object_name(name),
+                        },
+                    )
+                    activated = startup.wake_activation(keda, created)
+                start = startup.timeline(pod, events, track.healthy_at, track.first_token_at, activated)
                 if start is not None:
                     ended.append(start)
         return ended
 
-    async def _pod_events(self, namespace: str, pod: Obj) -> list[Obj]:
-        """The pod's Events (one list, by its uid); none where they cannot be read."""
-        uid = (pod.get("metadata") or {}).get("uid")
-        if not uid:
+    async def _events(self, namespace: str, about: Mapping[str, Any]) -> list[Obj]:
+        """The Events about one object (one list, by field selector); none where they cannot be read."""
+        if not all(about.values()):
             return []
         try:
-            found = await self.kube.list(
-                "v1", "events", namespace, field_selector={"involvedObject.uid": uid}
-            )
+            found = await self.kube.list("v1", "events", namespace, field_selector=dict(about))
         except ApiError as exc:
-            log.debug(
-                "events of pod %s/%s: %s %s", namespace, pod["metadata"].get("name"), exc.status, exc.reason
-            )
+            log.debug("events in %s about %s: %s %s", namespace, dict(about), exc.status, exc.reason)
             return []
         return list(found)
 

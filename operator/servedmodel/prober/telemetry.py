@@ -15,6 +15,9 @@ from servedmodel.probe.startup import TOTAL, stage_seconds
 
 from .series import LabeledHistogram
 
+# Cold starts and wakes: from a cached small model in seconds to a large one pulled and loaded in an hour.
+COLD_START_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
 
 class ProbeMetrics:
     """The probe's operator metrics, on the registry the operator serves (no module globals)."""
@@ -142,7 +145,15 @@ class ProbeMetrics:
             "first real token; each other stage is how long that stage took (scheduled, initialized, "
             "imagePulled, containerStarted, containersReady, engineHealthy, firstToken), adding up to total.",
             [*labels, "stage"],
-            buckets=(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0),
+            buckets=COLD_START_BUCKETS,
+            registry=registry,
+        )
+        self.wake = LabeledHistogram(
+            "servedmodel_wake_seconds",
+            "Wakes from zero (status.startup's wakeSeconds): KEDA's scale from 0 to the woken pod's first "
+            "real token, seconds.",
+            labels,
+            buckets=COLD_START_BUCKETS,
             registry=registry,
         )
 
@@ -152,6 +163,8 @@ class ProbeMetrics:
             self.cold_start.labels(namespace, name, stage).observe(seconds)
         if start.total_seconds is not None:
             self.cold_start.labels(namespace, name, TOTAL).observe(start.total_seconds)
+        if start.wake_seconds is not None:
+            self.wake.labels(namespace, name).observe(start.wake_seconds)
 
     def record(self, namespace: str, name: str, out: ProbeOutcome) -> None:
         self.cycles.labels(namespace, name, "success" if out.ok else "failure").inc()
@@ -172,7 +185,7 @@ class ProbeMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted ServedModel's series (every label set that starts with it): no ghosts."""
-        for histogram in (self.ttft, self.tpot, self.e2e, self.cold_start):
+        for histogram in (self.ttft, self.tpot, self.e2e, self.cold_start, self.wake):
             histogram.remove_matching((namespace, name))
         for metric in (
             self.serving,
