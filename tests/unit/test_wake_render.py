@@ -16,8 +16,13 @@ SCALER = "keda-add-ons-http-external-scaler.keda:9090"
 WAKE = RenderContext(has_keda_api=True, has_http_add_on_api=True, http_scaler_address=SCALER)
 
 
-def model(**auto: Any) -> ServedModel:
-    spec = {"model": "Qwen/Qwen2.5-7B-Instruct", "autoscaling": {**AUTO, "prometheus": PROM, **auto}}
+def model(expose: dict[str, Any] | None = None, **auto: Any) -> ServedModel:
+    spec: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "autoscaling": {**AUTO, "prometheus": PROM, **auto},
+    }
+    if expose is not None:
+        spec["expose"] = expose
     return ServedModel.model_validate(
         {"metadata": {"name": "qwen", "namespace": "ai", "uid": "u1"}, "spec": spec}
     )
@@ -43,6 +48,17 @@ def test_scale_to_zero_with_the_add_on_carries_the_wake_trigger_and_routes() -> 
         "metadata": {"httpScaledObject": "qwen", "scalerAddress": SCALER},
     }
     assert so["spec"]["idleReplicaCount"] == 0
+
+
+def test_the_route_s_host_is_routed_to_the_model_too() -> None:
+    """What a client outside the cluster sends (expose.host) wakes the model as the Service's names do."""
+    service_names = ["qwen-engine.ai", "qwen-engine.ai.svc", "qwen-engine.ai.svc.cluster.local"]
+    routed = render(model({"host": "qwen.apps.example.com"}, scaleToZero=True), WAKE)
+    assert routed[2]["spec"]["hosts"] == [*service_names, "qwen.apps.example.com"]
+    # no Route, or a host the router generates: the Service's names only
+    for expose in ({"route": False}, {}):
+        objects = render(model(expose, scaleToZero=True), WAKE)
+        assert objects[2]["spec"]["hosts"] == service_names
 
 
 def test_no_wake_without_scale_to_zero_the_api_or_the_address() -> None:

@@ -32,10 +32,16 @@ def http_scaled_object_name(name: str) -> str:
 
 
 def hosts(cr: ServedModel) -> list[str]:
-    """The Host headers the interceptor routes to this model: the Service's in-cluster names."""
+    """The Host headers the interceptor routes to this model: the Service's in-cluster names, and the
+    Route's host where spec.expose sets one (what clients outside the cluster send; the Route or ingress
+    that carries it to the interceptor is the cluster's, docs/operations.md)."""
     namespace = cr.metadata.namespace or "default"
     svc = names.service_name(cr.name)
-    return [f"{svc}.{namespace}", f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local"]
+    out = [f"{svc}.{namespace}", f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local"]
+    expose = cr.spec.expose
+    if expose.route and expose.host is not None:
+        out.append(expose.host)
+    return out
 
 
 def wake_trigger(cr: ServedModel, scaler_address: str) -> Obj:
