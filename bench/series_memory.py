@@ -1,7 +1,7 @@
 """Memory of the probe's Prometheus series per ServedModel: the operator's ProbeMetrics (its per-model
-histograms kept by prober/series.LabeledHistogram) beside the same families as prometheus_client's own
-Histogram, in one run, measured with tracemalloc after N models each recorded one probe and one cold start
-of seven stages.
+histograms, counters and gauges kept by prober/series.LabeledHistogram, LabeledCounter, LabeledGauge)
+beside the same families as prometheus_client's own Histogram, Counter and Gauge, in one run, measured
+with tracemalloc after N models each recorded one probe and one cold start of seven stages.
 
     .venv/bin/python bench/series_memory.py -n 1000
 
@@ -16,7 +16,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.utils import INF
 
 from servedmodel.prober.telemetry import ProbeMetrics
@@ -43,14 +43,26 @@ def fill(metrics: ProbeMetrics, n: int) -> None:
             metrics.cold_start.labels(ns, name, stage).observe(3.0)
 
 
+COUNTERS = ("failures", "cycles", "status_writes", "pod_probes", "pod_transitions", "gate_writes")
+GAUGES = ("serving", "ttft_p95", "stalled", "kv_pressure")
+
+
 def as_prometheus_client(registry: CollectorRegistry) -> ProbeMetrics:
-    """ProbeMetrics with its per-model histograms as prometheus_client's Histogram (what it was before)."""
+    """ProbeMetrics with its per-model families as prometheus_client's own (what they were before)."""
     metrics = ProbeMetrics(registry)
-    for attr in ("ttft", "tpot", "e2e", "cold_start"):
+    for attr in ("ttft", "tpot", "e2e", "cold_start", "wake", *COUNTERS, *GAUGES):
         ours = getattr(metrics, attr)
         registry.unregister(ours)
-        bounds = [b for b in ours.bounds if b != INF]
-        theirs = Histogram(ours.name, ours.documentation, ours.labelnames, buckets=bounds, registry=registry)
+        theirs: Histogram | Counter | Gauge
+        if attr in COUNTERS:
+            theirs = Counter(ours.name, ours.documentation, ours.labelnames, registry=registry)
+        elif attr in GAUGES:
+            theirs = Gauge(ours.name, ours.documentation, ours.labelnames, registry=registry)
+        else:
+            bounds = [b for b in ours.bounds if b != INF]
+            theirs = Histogram(
+                ours.name, ours.documentation, ours.labelnames, buckets=bounds, registry=registry
+            )
         setattr(metrics, attr, theirs)
     return metrics
 
@@ -96,7 +108,7 @@ def main() -> int:
             f"{theirs[1] / ours[1]:.1f}x",
         ),
     ]
-    header = ("figure", "prometheus_client Histogram", "LabeledHistogram (ours)", "ratio")
+    header = ("figure", "prometheus_client", "prober/series.py (ours)", "ratio")
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|---|---|---|---|")
@@ -104,7 +116,7 @@ def main() -> int:
             print("| " + " | ".join(row) + " |")
     else:
         for row in (header, *rows):
-            print(f"{row[0]:<50} {row[1]:>28} {row[2]:>24} {row[3]:>7}")
+            print(f"{row[0]:<50} {row[1]:>18} {row[2]:>24} {row[3]:>7}")
     return 0
 
 

@@ -1,14 +1,14 @@
-"""prober/series.LabeledHistogram against prometheus_client's own Histogram: the same observations give
-the same `_bucket` / `_sum` / `_count` samples (prometheus_client's optional `_created` aside), read back
-with prometheus_client's parser; a deleted ServedModel's series go."""
+"""prober/series.LabeledHistogram, LabeledCounter and LabeledGauge against prometheus_client's own
+Histogram, Counter and Gauge: the same observations give the same samples (prometheus_client's optional
+`_created` aside), read back with prometheus_client's parser; a deleted ServedModel's series go."""
 
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servedmodel.prober.series import LabeledHistogram
+from servedmodel.prober.series import LabeledCounter, LabeledGauge, LabeledHistogram
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 VALUES = (0.0, 0.005, 0.0051, 0.3, 1.0, 7.5, 60.0, 61.0, 1e6)
@@ -53,3 +53,45 @@ def test_the_label_count_is_checked() -> None:
     h = LabeledHistogram("y_seconds", "Y.", ["namespace", "name"], (1.0,), CollectorRegistry())
     with pytest.raises(ValueError, match="2 label values expected, got 1"):
         h.labels("ns")
+
+
+def test_counters_and_gauges_give_prometheus_clients_samples() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    labels = ["namespace", "name", "reason"]
+    a_counter = LabeledCounter("x_probes", "X.", labels, ours)
+    a_gauge = LabeledGauge("x_serving", "S.", labels[:2], ours)
+    b_counter = Counter("x_probes", "X.", labels, registry=theirs)
+    b_gauge = Gauge("x_serving", "S.", labels[:2], registry=theirs)
+    for i in range(7):
+        for c in (a_counter, b_counter):
+            c.labels("ns", f"m{i % 3}", "Serving" if i % 2 else "Timeout").inc()
+            c.labels("ns", "m0", "Serving").inc(2.5)
+        for g in (a_gauge, b_gauge):
+            g.labels("ns", f"m{i % 3}").set(i)
+            g.labels("ns", "m1").inc()
+    assert samples(ours) == samples(theirs)
+    text = generate_latest(ours).decode()
+
+    def comments(t: str) -> list[str]:
+        return [line for line in t.splitlines() if line.startswith("#") and "_created" not in line]
+
+    assert comments(text) == comments(generate_latest(theirs).decode())  # HELP and TYPE as theirs
+    assert 'x_probes_total{name="m0",namespace="ns",reason="Serving"} 18.5' in text
+
+
+def test_counters_only_go_up_and_a_servedmodels_values_go() -> None:
+    registry = CollectorRegistry()
+    c = LabeledCounter("y_probes", "Y.", ["namespace", "name", "reason"], registry)
+    g = LabeledGauge("y_serving", "S.", ["namespace", "name"], registry)
+    with pytest.raises(ValueError, match="only go up"):
+        c.labels("ns", "a", "Serving").inc(-1)
+    for name in ("a", "b"):
+        c.labels("ns", name, "Serving").inc()
+        g.labels("ns", name).set(1)
+    c.remove_matching(("ns", "a"))
+    g.remove("ns", "a")
+    text = generate_latest(registry).decode()
+    assert 'name="a"' not in text
+    assert text.count('name="b"') == 2
+    with pytest.raises(ValueError, match="2 label values expected, got 3"):
+        g.labels("ns", "a", "x")

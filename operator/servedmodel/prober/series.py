@@ -1,4 +1,4 @@
-"""Histograms with a label set per ServedModel, at a small cost per series.
+"""Histograms, counters and gauges with a label set per ServedModel, at a small cost per series.
 
 prometheus_client's Histogram keeps, per label set, a child object and one value object with its own lock
 per bucket: about 2.5 KB for a 13-bucket series, 40 KB per ServedModel with the probe's three latency
@@ -6,6 +6,8 @@ histograms and the seven cold-start stages (measured with tracemalloc; the large
 memory per ServedModel at 1,000). Here a label set is one array of doubles (the bucket counts, then the
 sum) under one lock per histogram, and the exposition is built when Prometheus scrapes: the same
 `_bucket` / `_sum` / `_count` samples, without prometheus_client's optional `_created` sample.
+Counters and gauges the same way: one float per label set in a dict under the family's lock (a
+prometheus_client child is ~0.7 KB: its object, a value with its own lock, a counter's created time).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import INF
 
@@ -91,4 +98,99 @@ class LabeledHistogram(Collector):
                 running += n
                 buckets.append((le, running))
             family.add_metric(list(key), buckets, sum_value=counts[-1])
+        yield family
+
+
+class Value:
+    """One label set of a LabeledCounter or LabeledGauge (what `labels(...)` returns)."""
+
+    __slots__ = ("_family", "_key")
+
+    def __init__(self, family: _LabeledValues, key: tuple[str, ...]) -> None:
+        self._family, self._key = family, key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._family.add(self._key, amount)
+
+
+class GaugeValue(Value):
+    __slots__ = ()
+
+    def set(self, value: float) -> None:
+        self._family.put(self._key, value)
+
+
+class _LabeledValues(Collector):
+    """One float per label set under one lock; `remove(*labels)` and `remove_matching(prefix)`."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._values: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def _key(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+        return tuple(str(v) for v in values)
+
+    def add(self, key: tuple[str, ...], amount: float) -> None:
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def put(self, key: tuple[str, ...], value: float) -> None:
+        with self._lock:
+            self._values[key] = float(value)
+
+    def remove(self, *values: str) -> None:
+        with self._lock:
+            self._values.pop(self._key(values), None)
+
+    def remove_matching(self, prefix: tuple[str, ...]) -> None:
+        """Drop every label set that starts with `prefix` (a deleted ServedModel's: no ghosts)."""
+        with self._lock:
+            for key in [k for k in self._values if k[: len(prefix)] == prefix]:
+                del self._values[key]
+
+    def _snapshot(self) -> list[tuple[tuple[str, ...], float]]:
+        with self._lock:
+            return list(self._values.items())
+
+
+class LabeledCounter(_LabeledValues):
+    """A counter family: `labels(*values).inc(n)` as prometheus_client's, exposed as `<name>_total`."""
+
+    def labels(self, *values: str) -> Value:
+        return Value(self, self._key(values))
+
+    def add(self, key: tuple[str, ...], amount: float) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: counters only go up (inc by {amount})")
+        super().add(key, amount)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, value in self._snapshot():
+            family.add_metric(list(key), value)
+        yield family
+
+
+class LabeledGauge(_LabeledValues):
+    """A gauge family: `labels(*values).set(v)` / `.inc(n)` as prometheus_client's."""
+
+    def labels(self, *values: str) -> GaugeValue:
+        return GaugeValue(self, self._key(values))
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, value in self._snapshot():
+            family.add_metric(list(key), value)
         yield family

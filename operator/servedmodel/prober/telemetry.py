@@ -4,8 +4,6 @@ probe/metrics.py parses, nor the operator's other series (handlers/metrics.py)."
 
 from __future__ import annotations
 
-import contextlib
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from servedmodel.api.startup import StartupTimeline
@@ -13,7 +11,7 @@ from servedmodel.probe.client import ProbeOutcome
 from servedmodel.probe.report import publishable_figures
 from servedmodel.probe.startup import TOTAL, stage_seconds
 
-from .series import LabeledHistogram
+from .series import LabeledCounter, LabeledGauge, LabeledHistogram
 
 # Cold starts and wakes: from a cached small model in seconds to a large one pulled and loaded in an hour.
 COLD_START_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
@@ -47,16 +45,16 @@ class ProbeMetrics:
             buckets=self._LATENCY_BUCKETS,
             registry=registry,
         )
-        self.serving = Gauge(
+        self.serving = LabeledGauge(
             "servedmodel_probe_serving", "1 when the last probe succeeded, else 0.", labels, registry=registry
         )
-        self.failures = Counter(
+        self.failures = LabeledCounter(
             "servedmodel_probe_failures", "Failed probes by reason.", [*labels, "reason"], registry=registry
         )
-        self.cycles = Counter(
+        self.cycles = LabeledCounter(
             "servedmodel_probe", "Probe cycles run, by result.", [*labels, "result"], registry=registry
         )
-        self.status_writes = Counter(
+        self.status_writes = LabeledCounter(
             "servedmodel_probe_status_writes",
             "Status writes of the probe (at most one per cycle).",
             labels,
@@ -64,7 +62,7 @@ class ProbeMetrics:
         )
         # The autoscaling signal (spec.autoscaling.targets.probeTtftP95Ms): the rolling window's p95, which
         # Prometheus scrapes and prometheus-adapter / KEDA serve to the autoscaler (servedmodel.scaling).
-        self.ttft_p95 = Gauge(
+        self.ttft_p95 = LabeledGauge(
             "servedmodel_probe_ttft_p95_seconds",
             "Probe TTFT p95 over the rolling window (status.probe.window.ttftP95Ms), seconds.",
             labels,
@@ -109,31 +107,31 @@ class ProbeMetrics:
             registry=registry,
         )
 
-        self.pod_probes = Counter(
+        self.pod_probes = LabeledCounter(
             "servedmodel_probe_pod",
             "Probes of single engine pods, by reason (Serving, or why the pod failed).",
             [*labels, "reason"],
             registry=registry,
         )
-        self.pod_transitions = Counter(
+        self.pod_transitions = LabeledCounter(
             "servedmodel_probe_pod_transitions",
             "Engine pods whose Serving changed, by new status and reason.",
             [*labels, "serving", "reason"],
             registry=registry,
         )
-        self.gate_writes = Counter(
+        self.gate_writes = LabeledCounter(
             "servedmodel_probe_readiness_gate_writes",
             "Readiness-gate condition writes on engine pods (pods/status), by status.",
             [*labels, "status"],
             registry=registry,
         )
-        self.stalled = Gauge(
+        self.stalled = LabeledGauge(
             "servedmodel_probe_engine_stalled_pods",
             "Engine pods whose last probe found the engine stalled (EngineStalled).",
             labels,
             registry=registry,
         )
-        self.kv_pressure = Gauge(
+        self.kv_pressure = LabeledGauge(
             "servedmodel_probe_kv_cache_pressure_pods",
             "Engine pods whose last probe found KV cache pressure with preemptions rising.",
             labels,
@@ -199,8 +197,4 @@ class ProbeMetrics:
             self.kv_pressure,
             self.ttft_p95,
         ):
-            # prometheus_client lists a metric's children only in this private mapping.
-            for labels in list(metric._metrics):
-                if labels[:2] == (namespace, name):
-                    with contextlib.suppress(KeyError):
-                        metric.remove(*labels)
+            metric.remove_matching((namespace, name))
