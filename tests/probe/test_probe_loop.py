@@ -4,10 +4,14 @@ that stop() closes what it used there and ends the thread, and what the stall wa
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
-from servedmodel.probe.loop import PROBE_STALL_S, LoopWatch, ProbeLoop, watch_of
+import pytest
+import uvloop
+
+from servedmodel.probe.loop import PROBE_STALL_S, LoopWatch, ProbeLoop, new_probe_loop, watch_of
 
 
 async def test_submit_runs_on_the_probe_thread_and_returns_there() -> None:
@@ -26,6 +30,28 @@ async def test_submit_runs_on_the_probe_thread_and_returns_there() -> None:
     assert loop.running is False
     # not started: on the caller's loop (tests that drive cycles, the CLI), unwatched
     assert (await loop.submit(where()))[0] == threading.get_ident()
+
+
+async def test_the_probe_loop_is_uvloops_and_asyncios_where_uvloop_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = ProbeLoop()
+    loop.start()
+    try:
+
+        async def kind() -> type[asyncio.AbstractEventLoop]:
+            return type(asyncio.get_running_loop())
+
+        assert issubclass(await loop.submit(kind()), uvloop.Loop)
+    finally:
+        await loop.stop()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` fails as when not installed
+    fallback = new_probe_loop()
+    try:
+        assert not isinstance(fallback, uvloop.Loop)
+        assert isinstance(fallback, asyncio.BaseEventLoop)
+    finally:
+        fallback.close()
 
 
 async def test_cancelling_the_caller_cancels_the_probe_and_stop_closes_there() -> None:

@@ -202,15 +202,29 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
+def new_probe_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed, else asyncio's. A probe cycle is mostly loop machinery
+    (a wake-up per socket read, the watch's timers, task steps); uvloop does that work in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class ProbeLoop:
-    """A thread running an asyncio loop for probes only. `start` and `stop` from the main loop;
-    `submit(coro)` runs the coroutine there and awaits its result here. Not started, `submit` runs the
-    coroutine on the caller's loop (tests that drive cycles themselves, the one-shot CLI)."""
+    """A thread running an event loop (`loop_factory`'s) for probes only. `start` and `stop` from the main
+    loop; `submit(coro)` runs the coroutine there and awaits its result here. Not started, `submit` runs
+    the coroutine on the caller's loop (tests that drive cycles themselves, the one-shot CLI)."""
 
     def __init__(
-        self, name: str = "servedmodel-probe", observe: Callable[[float], None] | None = None
+        self,
+        name: str = "servedmodel-probe",
+        observe: Callable[[float], None] | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_probe_loop,
     ) -> None:
         self.name = name
+        self.loop_factory = loop_factory
         self.watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S, observe, only_while_busy=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -223,7 +237,7 @@ class ProbeLoop:
         """Start the thread and its loop (idempotent); returns once the loop runs."""
         if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
+        loop = self.loop_factory()
         ready = threading.Event()
 
         def main() -> None:
