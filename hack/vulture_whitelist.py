@@ -70,3 +70,10 @@ OPERATOR_IMAGE
 _._parse_targets  # @field_validator, called by pydantic
 _.log_message  # wsgiref.simple_server.WSGIRequestHandler.log_message, called by http.server
 _.reviews  # MetricsAuthorizer.reviews
+# asyncio.Protocol's callbacks, called by the event loop (probe/http11.py's _Wire: one per connection).
+_.connection_made
+_.data_received
+_.eof_received
+_.connection_lost
+_.pause_writing
+_.resume_writing

@@ -47,6 +47,7 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
+from .http11 import ProbeTransport
 from .loop import GC_WATCH, PROBE_STALL_S, PROBE_WATCH_PERIOD_S, LoopWatch, watch_of
 from .metrics import METRICS_QUERY, MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import (
@@ -1065,8 +1066,15 @@ def _request_checks(spec: ProbeSpec, out: ProbeOutcome) -> None:
     )
 
 
+def probe_transport(*, verify: bool = True) -> httpx.AsyncBaseTransport:
+    """The probe's transport: its own HTTP/1.1 client for http:// engines (probe/http11.py), httpx's for
+    https:// and the rest; no environment proxies (probes go straight to the engine)."""
+    return ProbeTransport(httpx.AsyncHTTPTransport(verify=verify, trust_env=False))
+
+
 @contextlib.asynccontextmanager
 async def probe_client(spec: ProbeSpec, *, verify: bool = True) -> AsyncIterator[httpx.AsyncClient]:
-    """An AsyncClient with the spec's limits; no environment proxies (probes go straight to the engine)."""
-    async with httpx.AsyncClient(timeout=http_timeout(spec), trust_env=False, verify=verify) as client:
+    """An AsyncClient with the spec's limits over the probe's transport."""
+    transport = probe_transport(verify=verify)
+    async with httpx.AsyncClient(timeout=http_timeout(spec), trust_env=False, transport=transport) as client:
         yield client

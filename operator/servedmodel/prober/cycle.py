@@ -54,6 +54,7 @@ from servedmodel.probe.client import (
     PodMetrics,
     ProbeOutcome,
     http_timeout,
+    probe_transport,
     run_probe,
 )
 from servedmodel.probe.compat import Compatibility, compat_condition, scrape_and_judge
@@ -252,14 +253,14 @@ class CycleRunner:
     rng: random.Random
     clock: Callable[[], float] = time.monotonic
     sources: Sources = field(init=False)
-    _transport: httpx.AsyncHTTPTransport | None = field(default=None, init=False)
+    _transport: httpx.AsyncBaseTransport | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.sources = Sources(self.reader, self.config)
 
-    def _pool(self) -> httpx.AsyncHTTPTransport:
+    def _pool(self) -> httpx.AsyncBaseTransport:
         if self._transport is None:
-            self._transport = httpx.AsyncHTTPTransport(trust_env=False)
+            self._transport = probe_transport()
         return self._transport
 
     def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
@@ -812,7 +813,7 @@ class CycleRunner:
 class _Shared(httpx.AsyncBaseTransport):
     """The runner's connection pool, shared by every cycle's client and closed only by the runner."""
 
-    def __init__(self, pool: httpx.AsyncHTTPTransport) -> None:
+    def __init__(self, pool: httpx.AsyncBaseTransport) -> None:
         self._pool = pool
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
