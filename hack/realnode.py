@@ -148,7 +148,7 @@ class RealNode:
 
 
 def _containerd_config(d: Path, bin_dir: Path) -> str:
-    # SERVEDMODEL_RUNC: another runc than the one on PATH (Debian's 1.1.5 fails pod sandboxes here).
+    # SERVEDMODEL_RUNC: another runc than the one on PATH.
     runc = os.environ.get("SERVEDMODEL_RUNC") or shutil.which("runc") or "runc"
     return f"""version = 3
 root = "{d / "containerd" / "root"}"
@@ -176,8 +176,14 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{PAUSE_IMAGE}"
 
+# restrict_oom_score_adj: the sandbox's spec asks for oomScoreAdj -998 (and Guaranteed pods' containers
+# -997); lowering oom_score_adj needs CAP_SYS_RESOURCE, which this machine's root lacks (CapEff
+# 0x1fffeffffff), so runc's nsexec failed ("failed to update /proc/self/oom_score_adj: Permission
+# denied", reported as "can't get final child's PID from pipe: EOF"). Restricted, containerd raises any
+# adjustment below its own to its own (0 here), as rootless containerd does.
 [plugins."io.containerd.cri.v1.runtime"]
   enable_selinux = false
+  restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
