@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import httpx
 import pytest
 
 from servedmodel.handlers import metrics
@@ -149,3 +150,37 @@ def test_the_config_switches_authentication(enabled: bool) -> None:
         return metrics.authorizer(OperatorConfig(metrics_auth=enabled), Client())  # type: ignore[arg-type]
 
     assert (asyncio.run(main()) is not None) is enabled
+
+
+def test_the_exposition_is_served_gzipped_and_by_name_to_prometheus_clients_parser() -> None:
+    """The operator's own exposition app (no auth): what a Prometheus scrape asks, read back with
+    prometheus_client's parser; the probe's per-ServedModel families included."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from servedmodel.handlers.prober import PROBE_METRICS
+
+    PROBE_METRICS.cycles.labels("ns", "served", "success").inc()
+    port = free_port()
+    served = metrics.serve(port, "127.0.0.1", None)
+    assert served is not None
+    server, _ = served
+    try:
+        plain = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        families = {f.name for f in text_string_to_metric_families(plain.text)}
+        assert {"servedmodel_reconcile", "servedmodel_probe"} <= families
+        zipped = httpx.get(
+            f"http://127.0.0.1:{port}/metrics",
+            params={"name[]": ["servedmodel_probe_total"]},
+            headers={"Accept-Encoding": "gzip"},
+            timeout=10,
+        )
+        assert zipped.headers["content-encoding"] == "gzip"
+        only = list(text_string_to_metric_families(zipped.text))  # httpx unzips
+        assert [f.name for f in only] == ["servedmodel_probe"]
+        assert any(s.labels.get("name") == "served" for s in only[0].samples)
+        assert httpx.post(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 405
+    finally:
+        PROBE_METRICS.forget("ns", "served")
+        server.shutdown()
+        server.server_close()

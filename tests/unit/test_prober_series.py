@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servedmodel.prober.series import LabeledCounter, LabeledGauge, LabeledHistogram
+from servedmodel.prober.series import LabeledCounter, LabeledGauge, LabeledHistogram, Registry
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 VALUES = (0.0, 0.005, 0.0051, 0.3, 1.0, 7.5, 60.0, 61.0, 1e6)
@@ -95,3 +95,45 @@ def test_counters_only_go_up_and_a_servedmodels_values_go() -> None:
     assert text.count('name="b"') == 2
     with pytest.raises(ValueError, match="2 label values expected, got 3"):
         g.labels("ns", "a", "x")
+
+
+def filled_registry() -> tuple[Registry, Counter]:
+    """Every kind of family, with label values that need escaping, beside a prometheus_client counter."""
+    registry = Registry()
+    other = Counter("z_reconciles", "Reconciles.", ["result"], registry=registry)
+    other.labels("ok").inc()
+    h = LabeledHistogram(
+        "x_seconds", 'X "quoted"\nhelp \\.', ["namespace", "name", "stage"], BUCKETS, registry
+    )
+    c = LabeledCounter("x_probes", "P.", ["namespace", "name", "reason"], registry)
+    g = LabeledGauge("x_serving", "S.", ["name", "namespace"], registry)
+    for i, v in enumerate(VALUES):
+        name = ['m"0', "m\\1", "m\n2"][i % 3]
+        h.labels("ns", name, "total").observe(v)
+        c.labels("ns", name, "Serving").inc(v)
+        g.labels(name, "ns").set(-v if i % 2 else v)
+    return registry, other
+
+
+def test_the_families_own_text_is_generate_latests_byte_for_byte() -> None:
+    registry, _ = filled_registry()
+    fast = registry.exposition().decode()
+    slow = generate_latest(registry).decode()
+    # the same lines; prometheus_client's collectors first (its counter's _created too), then these
+    # families in their order
+    assert fast.startswith("# HELP z_reconciles_total Reconciles.\n# TYPE z_reconciles_total counter\n")
+    assert sorted(b for b in fast.split("# HELP ") if b) == sorted(b for b in slow.split("# HELP ") if b)
+    assert not [line for line in fast.splitlines() if line.startswith("x_") and "_created" in line]
+    assert 'x_seconds_bucket{le="0.005",name="m\\"0",namespace="ns",stage="total"} 1.0' in fast
+
+
+def test_a_scrape_for_some_names_gets_only_those() -> None:
+    registry, _ = filled_registry()
+    only = registry.exposition({"x_seconds_count", "x_probes_total"}).decode()
+    assert "# TYPE x_seconds histogram" in only
+    assert "# TYPE x_probes_total counter" in only
+    assert "x_serving" not in only
+    assert "z_reconciles" not in only
+    rest = registry.exposition({"z_reconciles_total"}).decode()
+    assert rest.startswith("# HELP z_reconciles_total")
+    assert "x_" not in rest

@@ -1,24 +1,28 @@
 """The operator's own Prometheus metrics, on one registry served at OperatorConfig.metrics_port.
 
 `REGISTRY` is the registry every operator metric goes to (the probe's metrics too): define new ones
-with `registry=REGISTRY`. Names start with `servedmodel_`.
+with `registry=REGISTRY`. Names start with `servedmodel_`. It is served in the text format (0.0.4) by
+prober/series.Registry.exposition: the per-ServedModel families write their own lines, the rest go through
+prometheus_client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gzip
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, gzip_accepted
 from prometheus_client.registry import Collector
 
 from servedmodel.api.base import Obj
@@ -27,10 +31,11 @@ from servedmodel.controller import Controller
 from servedmodel.k8s import ApiError, Cache, KubeClient
 from servedmodel.k8s.informer import Informers
 from servedmodel.k8s.leader import LeaderElector
+from servedmodel.prober.series import Registry
 
 log = logging.getLogger(__name__)
 
-REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRY = Registry()
 
 RECONCILE_TOTAL = Counter(
     "servedmodel_reconcile",
@@ -308,9 +313,31 @@ class _QuietHandler(WSGIRequestHandler):
         return None
 
 
+def exposition_app(registry: Registry) -> Callable[..., Any]:
+    """GET (or HEAD) any path: the registry in the text format, gzipped where the scraper accepts it, only
+    the families a `name[]` query names (as prometheus_client's app serves them)."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        method = str(environ.get("REQUEST_METHOD") or "GET")
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [f"# {method}: use GET\n".encode()]
+        params = parse_qs(str(environ.get("QUERY_STRING") or ""))
+        names = set(params["name[]"]) if "name[]" in params else None
+        output = registry.exposition(names)
+        headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)]
+        if gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING") or "")):
+            output = gzip.compress(output)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [b"" if method == "HEAD" else output]
+
+    return app
+
+
 def metrics_app(auth: MetricsAuthorizer | None) -> Callable[..., Any]:
-    """prometheus_client's WSGI app of REGISTRY, behind `auth` when there is one."""
-    inner = make_wsgi_app(REGISTRY)
+    """REGISTRY's exposition, behind `auth` when there is one."""
+    inner = exposition_app(REGISTRY)
     if auth is None:
         return inner
 

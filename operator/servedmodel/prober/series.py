@@ -8,6 +8,11 @@ sum) under one lock per histogram, and the exposition is built when Prometheus s
 `_bucket` / `_sum` / `_count` samples, without prometheus_client's optional `_created` sample.
 Counters and gauges the same way: one float per label set in a dict under the family's lock (a
 prometheus_client child is ~0.7 KB: its object, a value with its own lock, a counter's created time).
+
+Each family also writes its own text exposition (`text()`: the lines prometheus_client's
+generate_latest writes for it, byte for byte), without a Sample object per line: at 1,000 ServedModels
+the generic path took ~1.5 s of CPU per scrape, holding the GIL the probe's thread times streams with.
+`exposition(registry)` serves a registry that way (handlers/metrics.py).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -25,7 +30,27 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import INF
+from prometheus_client.utils import INF, floatToGoString
+
+
+def _escape(value: str) -> str:
+    """A label value as the text format writes it (prometheus_client's openmetrics._escape)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _go(value: float) -> str:
+    """A sample value as Go (and generate_latest) writes it: 1.0, 1e+06, +Inf."""
+    return str(floatToGoString(value))  # type: ignore[no-untyped-call]
+
+
+def _help(name: str, documentation: str, kind: str) -> str:
+    doc = documentation.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """`k="v",…` sorted by label name, as generate_latest writes them."""
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(zip(names, values, strict=True)))
 
 
 def le_label(bound: float) -> str:
@@ -87,6 +112,28 @@ class LabeledHistogram(Collector):
 
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def text(self) -> str:
+        """This family's lines in the text format, as generate_latest writes them from collect()."""
+        with self._lock:
+            series = [(key, counts.tolist()) for key, counts in self._series.items()]
+        name, out = self.name, [_help(self.name, self.documentation, "histogram")]
+        # `le` sorts among the label names: the labels before it and after it, joined once per series.
+        ordered = sorted((*self.labelnames, "le"))
+        cut = ordered.index("le")
+        les = [f'le="{le}"' for le in self._le]
+        for key, counts in series:
+            pairs = sorted(zip(self.labelnames, key, strict=True))
+            before = "".join(f'{k}="{_escape(v)}",' for k, v in pairs[:cut])
+            after = "".join(f',{k}="{_escape(v)}"' for k, v in pairs[cut:])
+            running = 0.0
+            for le, n in zip(les, counts, strict=False):  # counts ends with the sum
+                running += n
+                out.append(f"{name}_bucket{{{before}{le}{after}}} {_go(running)}\n")
+            plain = _labels(self.labelnames, key)
+            out.append(f"{name}_count{{{plain}}} {_go(running)}\n")
+            out.append(f"{name}_sum{{{plain}}} {_go(counts[-1])}\n")
+        return "".join(out)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -158,6 +205,12 @@ class _LabeledValues(Collector):
         with self._lock:
             return list(self._values.items())
 
+    def _text(self, sample: str, kind: str) -> str:
+        out = [_help(sample, self.documentation, kind)]
+        for key, value in self._snapshot():
+            out.append(f"{sample}{{{_labels(self.labelnames, key)}}} {_go(value)}\n")
+        return "".join(out)
+
 
 class LabeledCounter(_LabeledValues):
     """A counter family: `labels(*values).inc(n)` as prometheus_client's, exposed as `<name>_total`."""
@@ -172,6 +225,9 @@ class LabeledCounter(_LabeledValues):
 
     def describe(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def text(self) -> str:
+        return self._text(f"{self.name}_total", "counter")
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -189,8 +245,66 @@ class LabeledGauge(_LabeledValues):
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
+    def text(self) -> str:
+        return self._text(self.name, "gauge")
+
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for key, value in self._snapshot():
             family.add_metric(list(key), value)
         yield family
+
+
+FastFamily = LabeledHistogram | LabeledCounter | LabeledGauge
+
+
+class _Others:
+    """The registry's collectors but these families, for generate_latest (it only calls collect())."""
+
+    def __init__(self, collectors: list[Collector]) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        for c in self.collectors:
+            yield from c.collect()
+
+
+class Registry(CollectorRegistry):
+    """A CollectorRegistry that knows its collectors in order, so `exposition` can write this module's
+    families through their own text() and the rest through prometheus_client's generate_latest."""
+
+    def __init__(self) -> None:
+        super().__init__(auto_describe=True)
+        self._ordered: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        self._ordered.append(collector)
+
+    def unregister(self, collector: Collector) -> None:
+        super().unregister(collector)
+        self._ordered.remove(collector)
+
+    def exposition(self, names: set[str] | None = None) -> bytes:
+        """The text format (0.0.4) of every collector (of the families in `names`: a scrape's name[]),
+        prometheus_client's collectors first."""
+        collectors = list(self._ordered)
+        fast = [c for c in collectors if isinstance(c, FastFamily)]
+        others: Collector = _Others([c for c in collectors if not isinstance(c, FastFamily)])
+        if names is not None:
+            rest = [n for n in names if not any(_owns(f, n) for f in fast)]
+            others = self.restricted_registry(rest) if rest else _Others([])
+            fast = [f for f in fast if any(_owns(f, n) for n in names)]
+        head = generate_latest(others)
+        return head + "".join(f.text() for f in fast).encode()
+
+
+def _owns(family: FastFamily, sample_name: str) -> bool:
+    """Whether a sample name (a scrape's name[]) is one of the family's."""
+    if isinstance(family, LabeledHistogram):
+        suffixes: tuple[str, ...] = ("", "_bucket", "_count", "_sum")
+    elif isinstance(family, LabeledCounter):
+        suffixes = ("", "_total")
+    else:
+        suffixes = ("",)
+    return any(sample_name == family.name + s for s in suffixes)
