@@ -5,8 +5,9 @@ The node is named REAL_NODE, labelled and tainted ``servedmodel.dev/real-node`` 
 kwok-based tests never land on it unless a pod tolerates the taint. Pods get addresses from POD_CIDR on
 the bridge BRIDGE (no masquerade, no route beyond this machine). Everything the node writes (containerd's
 root/state, the kubelet's root, pod logs, CNI's IPAM, network namespaces) lies under DIR/node and is
-unmounted/removed by stop(), which also kills the containers' shims, deletes the bridge and removes the
-cgroups the kubelet made. Binaries come from hack/build-node.sh; the pause image from hack/pause_image.py.
+unmounted/removed by stop(), which also kills the containers' shims, deletes the bridge, removes the
+cgroups the kubelet made and the HOST_PATHS it had to write outside DIR/node. Binaries come from
+hack/build-node.sh; the pause image from hack/pause_image.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ BRIDGE = "smbr0"
 NODE_STOP_ORDER = ("kubelet", "containerd")
 # The top-level cgroups the kubelet (cgroupsPerQOS) creates in each v1 hierarchy.
 _KUBELET_CGROUPS = ("kubepods",)
+# Paths outside DIR/node that the components write whatever their flags say: the kubelet's device-plugin
+# socket (a constant), the shims' sockets (/run/containerd/s, a constant), libcni's result cache (go-cni's
+# default, not configurable in containerd's CRI). stop() removes those that start() did not find.
+HOST_PATHS = (Path("/var/lib/kubelet"), Path("/run/containerd"), Path("/var/lib/cni"))
+CNI_RESULTS = Path("/var/lib/cni/results")
+CNI_NETWORK = "servedmodel-real-node"
 
 
 def node_bin_dir() -> Path:
@@ -55,6 +62,8 @@ class RealNode:
     dir: Path
     bin_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # HOST_PATHS that did not exist before start(): removed by stop().
+    made: list[Path] = field(default_factory=list)
 
     @property
     def socket(self) -> Path:
@@ -93,6 +102,7 @@ class RealNode:
         self._unmount()
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
         self._remove_cgroups()
+        self._remove_host_paths()
         with contextlib.suppress(FileNotFoundError):
             (self.dir / "pids").unlink()
         # The node's logs go beside the control plane's (kept there when a test failed).
@@ -128,6 +138,19 @@ class RealNode:
                 return
             for m in sorted(mounts, key=len, reverse=True):
                 subprocess.run(["umount", "-l", m], capture_output=True, check=False)
+
+    def _remove_host_paths(self) -> None:
+        for path in self.made:
+            shutil.rmtree(path, ignore_errors=True)
+        # Where /var/lib/cni was there before, only this network's cached results (a pod torn down by the
+        # kubelet has none left; one killed with the node has).
+        sandboxes = self.dir / "containerd" / "root" / "io.containerd.grpc.v1.cri" / "sandboxes"
+        ids = {p.name for p in sandboxes.iterdir()} if sandboxes.is_dir() else set()
+        results = list(CNI_RESULTS.glob(f"{CNI_NETWORK}-*")) if CNI_RESULTS.is_dir() else []
+        results += [r for i in ids for r in CNI_RESULTS.glob(f"cni-loopback-{i}-*")]
+        for result in results:
+            with contextlib.suppress(OSError):
+                result.unlink()
 
     @staticmethod
     def _remove_cgroups() -> None:
@@ -191,6 +214,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         BinaryName = "{runc}"
+        Root = "{d / "runc"}"
         SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{bin_dir / "cni"}"]
@@ -205,7 +229,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
 def _cni_config(d: Path) -> dict[str, object]:
     return {
         "cniVersion": "1.0.0",
-        "name": "servedmodel-real-node",
+        "name": CNI_NETWORK,
         "plugins": [
             {
                 "type": "bridge",
@@ -270,6 +294,7 @@ def start(cp: controlplane.ControlPlane, *, bin_dir: Path | None = None, timeout
     (d / "cni" / "net.d").mkdir(parents=True)
     launcher = controlplane._Launcher(d, bin_dir, detach=False)
     node = RealNode(cp=cp, dir=d, bin_dir=bin_dir, procs=launcher.procs)
+    node.made = [p for p in HOST_PATHS if not p.exists()]
     deadline = time.monotonic() + timeout
     try:
         (d / "containerd.toml").write_text(_containerd_config(d, bin_dir))
