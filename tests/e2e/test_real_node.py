@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,11 @@ def _ro_host(name: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def sim_pod(name: str) -> dict[str, Any]:
-    mounts = [
-        _ro_host(n, p) for n, p in (("usr", "/usr"), ("lib", "/lib"), ("lib64", "/lib64"), ("src", str(ROOT)))
-    ]
+    paths = [("usr", "/usr"), ("lib", "/lib"), ("lib64", "/lib64"), ("src", str(ROOT))]
+    # The venv's python links to its base installation (pyenv's under /root here): mount that too.
+    if not any(Path(sys.base_prefix).is_relative_to(p) for _, p in paths):
+        paths.append(("python", sys.base_prefix))
+    mounts = [_ro_host(n, p) for n, p in paths]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -94,4 +97,21 @@ def test_simulator_pod_ready_on_real_node(
     assert ip in ipaddress.ip_network(realnode.POD_CIDR)
     with urllib.request.urlopen(f"http://{ip}:{SIM_PORT}/health", timeout=5) as r:
         assert r.status == 200
-    cp.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/sim")
+    delete_and_wait(cp, namespace, "sim")
+
+
+def delete_and_wait(cp: controlplane.ControlPlane, namespace: str, name: str, timeout: float = 30.0) -> None:
+    """Delete a pod and wait until the kubelet has torn it down (containers stopped, the sandbox's network
+    released by CNI DEL) and the API object is gone."""
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+    cp.request("DELETE", path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            cp.request("GET", path)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return
+            raise
+        time.sleep(0.2)
+    raise AssertionError(f"pod {namespace}/{name} still there {timeout:.0f} s after its deletion")
