@@ -75,10 +75,17 @@ def _instructions(text: str) -> list[tuple[str, str]]:
 def parse(path: Path) -> Containerfile:
     cf = Containerfile(path)
     workdir = "/"
+    args: dict[str, str] = {}  # ARG defaults (a build without --build-arg)
     for instr, rest in _instructions(path.read_text()):
-        if instr == "FROM":
+        if instr == "ARG":
+            name, _, default = rest.partition("=")
+            args[name.strip()] = default.strip()
+        elif instr == "FROM":
             # Only the last stage ends up in the image; multi-stage COPY --from is not replayed.
-            cf = Containerfile(path, base=rest.split()[0])
+            base = rest.split()[0]
+            for name, value in args.items():
+                base = base.replace(f"${{{name}}}", value).replace(f"${name}", value)
+            cf = Containerfile(path, base=base)
             workdir = "/"
         elif instr == "WORKDIR":
             workdir = rest if rest.startswith("/") else f"{workdir.rstrip('/')}/{rest}"
@@ -271,6 +278,7 @@ def test_install_steps_work_in_a_fresh_venv(containerfile: Containerfile, tmp_pa
 
 def test_parse_reads_copy_run_and_user() -> None:
     cf = parse(ROOT / "images" / "operator" / "Containerfile")
+    assert cf.base == "registry.access.redhat.com/ubi9/python-311:latest"  # ARG BASE's default
     assert cf.entrypoint == ["servedmodel", "run"]
     assert any("pyproject.toml" in srcs for srcs, _, _ in cf.copies)
 
