@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,31 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
+def wait_pod(
+    cp: controlplane.ControlPlane,
+    namespace: str,
+    name: str,
+    what: str,
+    ok: Callable[[dict[str, Any]], bool],
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """Poll pod `name` until ok(pod) holds; its last state in the error when it does not."""
+    deadline = time.monotonic() + timeout
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+        if ok(pod):
+            return pod
+        time.sleep(0.5)
+    raise AssertionError(f"pod {name}: not {what} after {timeout:.0f} s: {pod.get('status')}")
+
+
 def test_simulator_pod_ready_on_real_node(
     bare_control_plane: controlplane.ControlPlane, real_node: realnode.RealNode, namespace: str
 ) -> None:
     cp = bare_control_plane
     cp.request("POST", f"/api/v1/namespaces/{namespace}/pods", sim_pod("sim"))
-    deadline = time.monotonic() + 60
-    pod: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        pod = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods/sim")
-        if _ready(pod):
-            break
-        time.sleep(0.5)
-    assert _ready(pod), f"pod not Ready: {pod.get('status')}\n{real_node.dir}"
+    pod = wait_pod(cp, namespace, "sim", "Ready", _ready)
     assert pod["spec"]["nodeName"] == realnode.REAL_NODE
     ip = ipaddress.ip_address(pod["status"]["podIP"])
     assert ip in ipaddress.ip_network(realnode.POD_CIDR)
@@ -115,3 +128,39 @@ def delete_and_wait(cp: controlplane.ControlPlane, namespace: str, name: str, ti
             raise
         time.sleep(0.2)
     raise AssertionError(f"pod {namespace}/{name} still there {timeout:.0f} s after its deletion")
+
+
+def _engine_status(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    status: dict[str, Any] = statuses[0]
+    return status
+
+
+def test_killed_engine_container_is_restarted(
+    bare_control_plane: controlplane.ControlPlane, real_node: realnode.RealNode, namespace: str
+) -> None:
+    """SIGKILL to the engine's process (through containerd, as the OOM killer or a crash would end it):
+    the kubelet restarts the container in the same sandbox (same pod IP), the restart count rises, and
+    the readiness probe makes the pod Ready again."""
+    cp = bare_control_plane
+    cp.request("POST", f"/api/v1/namespaces/{namespace}/pods", sim_pod("sim"))
+    pod = wait_pod(cp, namespace, "sim", "Ready", _ready)
+    before = _engine_status(pod)
+    assert before["restartCount"] == 0
+    container_id = before["containerID"].removeprefix("containerd://")
+    real_node.ctr("tasks", "kill", "-s", "SIGKILL", container_id)
+    pod = wait_pod(
+        cp,
+        namespace,
+        "sim",
+        "restarted and Ready",
+        lambda p: _engine_status(p).get("restartCount", 0) >= 1 and _ready(p),
+        timeout=90,
+    )
+    after = _engine_status(pod)
+    assert after["containerID"] != before["containerID"]
+    assert after["lastState"]["terminated"]["exitCode"] == 137  # killed by SIGKILL
+    ip = pod["status"]["podIP"]
+    with urllib.request.urlopen(f"http://{ip}:{SIM_PORT}/health", timeout=5) as r:
+        assert r.status == 200
+    delete_and_wait(cp, namespace, "sim")
