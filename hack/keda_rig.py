@@ -12,9 +12,13 @@ refuses loopback IPs there) that the scaler's /etc/hosts maps to 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import httpx
 import yaml
 
 import controlplane
+import olm_tools
 from loopback import LoopbackProcess
 from servedmodel.sim.ports import free_port, port_open
 
@@ -239,3 +244,110 @@ class SimOnServicePort(_Checked):
             return httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+# Every CRD of KEDA's (its operator waits for each kind it watches) and the add-on's HTTPScaledObject.
+KEDA_KINDS = ("scaledobjects", "scaledjobs", "triggerauthentications", "clustertriggerauthentications")
+EVENTING_KINDS = ("cloudeventsources", "clustercloudeventsources")
+CRDS = (
+    *(f"{k}.keda.sh" for k in KEDA_KINDS),
+    *(f"{k}.eventing.keda.sh" for k in EVENTING_KINDS),
+    "httpscaledobjects.http.keda.sh",
+)
+
+
+def crd_files() -> list[Path]:
+    """KEDA's and the add-on's CRD files, from their Go modules (olm_tools)."""
+    bases = olm_tools.keda_crd("scaledobjects").parent
+    eventing = [bases / f"eventing.keda.sh_{k}.yaml" for k in EVENTING_KINDS]
+    return [*(olm_tools.keda_crd(k) for k in KEDA_KINDS), *eventing, olm_tools.http_add_on_crd()]
+
+
+def service_hosts(namespace: str, service: str) -> list[str]:
+    """The names the interceptor may dial or route for a Service (render/wake.hosts' in-cluster ones)."""
+    return [
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
+
+
+def _wait(proc: _Checked, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not proc.ready():  # a process that exited raises RigError with its log
+        if time.monotonic() > deadline:
+            raise RigError(f"{proc.what} not ready within {timeout:.0f} s:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+@dataclass
+class WakeRig:
+    """The wake-from-zero stack on loopback: the interceptor, the scaler, KEDA's operator, and optionally
+    the simulator on the Service's address. Its processes stop in reverse order."""
+
+    interceptor: Interceptor
+    scaler: Scaler
+    keda: Keda
+    sim: SimOnServicePort | None
+    procs: list[_Checked] = field(default_factory=list)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.what} ---\n{p.log_text()[-2000:]}" for p in self.procs)
+
+    def operator_env(self) -> dict[str, str]:
+        """What the operator needs to render the wake trigger (SERVEDMODEL_KEDA_HTTP_SCALER_ADDRESS) and
+        probe the loopback addresses that stand for the model's Service and pods."""
+        return {
+            "SERVEDMODEL_KEDA_HTTP_SCALER_ADDRESS": f"127.0.0.1:{self.scaler.port}",
+            "SERVEDMODEL_ALLOWED_TARGETS": f"*.svc,*.svc.cluster.local,127.0.0.1,{SIM_HOST}",
+        }
+
+
+@contextlib.contextmanager
+def wake_rig(
+    cp: controlplane.ControlPlane,
+    namespace: str,
+    service: str,
+    wait_s: float,
+    *,
+    simulator: bool = True,
+    ready_timeout: float = 120.0,
+) -> Iterator[WakeRig]:
+    """Start the stack for the model's Service `service` (its CRDs installed, KEDA's and the add-on's)
+    and stop every process it started, by pid, on the way out. `wait_s`: how long the interceptor holds
+    a request (KEDA_CONDITION_WAIT_TIMEOUT)."""
+    bins = binaries()
+    procs: list[_Checked] = []
+    try:
+        sim = None
+        if simulator:
+            sim = SimOnServicePort()
+            procs.append(sim)
+        interceptor = Interceptor(
+            cp, bins["interceptor"], namespace, service_hosts(namespace, service), wait_s
+        )
+        procs.append(interceptor)
+        _wait(interceptor, ready_timeout)
+        admin_endpoints(cp, namespace, interceptor.admin)
+        scaler = Scaler(cp, bins["scaler"], namespace, interceptor.admin)
+        procs.append(scaler)
+        keda = Keda(cp, bins["keda"], namespace)
+        procs.append(keda)
+        for proc in (scaler, keda, *([sim] if sim is not None else [])):
+            _wait(proc, ready_timeout)
+        yield WakeRig(interceptor, scaler, keda, sim, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def release_scaled_objects(cp: controlplane.ControlPlane, namespace: str) -> None:
+    """KEDA puts its finalizer on every ScaledObject: delete them while its operator still runs (the
+    ServedModel first, else the operator renders its ScaledObject again), and drop what is left's
+    finalizers, or the CRDs' deletion after waits on them for ever."""
+    for kind in ("servedmodels", "scaledobjects"):
+        cp.kubectl("delete", kind, "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False)
+    for so in cp.get_json("scaledobjects", "-n", namespace)["items"]:
+        patch = '{"metadata":{"finalizers":null}}'
+        name = so["metadata"]["name"]
+        cp.kubectl("patch", "scaledobject", name, "-n", namespace, "--type=merge", "-p", patch, check=False)
