@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip
+.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip images images-or-skip
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,6 +57,19 @@ keda:
 # What `make test` uses (or_skip above): without it tests/cluster/test_wake_from_zero.py skips, naming `make keda`.
 keda-or-skip:
 	@$(call or_skip,hack/build-keda-http-add-on.sh && hack/build-keda.sh,KEDA and its HTTP add-on,the wake-from-zero cluster test)
+
+## The operator and simulator images, built for real (issue 22): buildah runs images/*/Containerfile with
+## --isolation chroot (no container runtime) on BASE = a local Debian + Python 3.11 stand-in for UBI's python-311
+## (hack/base_image.py, mmdebstrap), written as OCI archives for `ctr -n k8s.io images import`
+## (localhost/servedmodel/{operator,simulator}:dev), cached in ~/.cache/servedmodel/images/ by the Containerfile
+## and the sources it copies. As root; apt-get installs buildah and mmdebstrap when missing.
+images: install
+	$(BIN)/python hack/images.py
+
+# Not in `make test` yet (the e2e tier will take it once the real node runs pods): without the images,
+# tests/ship/test_built_images.py skips, naming `make images`.
+images-or-skip: install
+	@$(call or_skip,$(BIN)/python hack/images.py,the images,the built-image tests)
 
 ## The real node beside kwok (issue 22): kubelet and kube-proxy at the pinned Kubernetes, containerd, the CNI
 ## plugins (Go module proxy) and the local pause image, cached in ~/.cache/servedmodel/node-*/ and pause/;

@@ -15,9 +15,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import shutil
 import tarfile
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,51 @@ class Image:
         for chunk in self.open_blob(layer.digest):
             yield inflate.decompress(chunk)
         yield inflate.flush()
+
+    @contextmanager
+    def layer_tar(self, layer: Layer) -> Iterator[tarfile.TarFile]:
+        """The layer as a streaming tar (members in order; read each file before the next)."""
+        with tarfile.open(self.archive) as outer:
+            blob = outer.extractfile(f"blobs/sha256/{layer.digest.removeprefix('sha256:')}")
+            assert blob is not None, layer.digest
+            mode = "r|gz" if layer.media_type.endswith("gzip") else "r|"
+            with tarfile.open(fileobj=blob, mode=mode) as tar:
+                yield tar
+
+    def unpack(self, dest: Path) -> None:
+        """The image's filesystem into `dest`, layer over layer (whiteouts applied; as root, owners kept;
+        device nodes left out)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for layer in self.layers:
+            with self.layer_tar(layer) as tar:
+                for member in tar:
+                    if member.isdev() or _whiteout(dest, member):
+                        continue
+                    target = dest / member.name
+                    if (target.is_symlink() or target.is_file()) and not member.isdir():
+                        target.unlink()
+                    tar.extract(member, dest, numeric_owner=True, filter="fully_trusted")
+
+
+def _whiteout(dest: Path, member: tarfile.TarInfo) -> bool:
+    """Apply an OCI whiteout entry (a deletion by a later layer); False for an ordinary entry."""
+    parent, _, base = member.name.rpartition("/")
+    if not base.startswith(".wh."):
+        return False
+    target = dest / parent
+    if base == ".wh..wh..opq":  # opaque directory: what lower layers had there is gone
+        for child in target.iterdir() if target.is_dir() else ():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    else:
+        gone = target / base.removeprefix(".wh.")
+        if gone.is_dir() and not gone.is_symlink():
+            shutil.rmtree(gone)
+        else:
+            gone.unlink(missing_ok=True)
+    return True
 
 
 def _sha256(path: Path) -> str:
