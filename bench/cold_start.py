@@ -151,10 +151,17 @@ def one_wake(
     rig: WakeRig,
     override: Path,
     vllm: VLLMOnServicePort | None,
+    stay_awake: bool = False,
 ) -> dict[str, float]:
-    """One wake: the model at zero, a request held, the stages as this script sees them."""
+    """One wake: the model at zero, a request held, the stages as this script sees them. `stay_awake`:
+    a long cooldown first, so that the model is still up after the answer (the warm requests)."""
     wait("the Deployment at 0", lambda: replicas(cp) == 0, WAIT_S, 0.2)
     wait("no engine pod", lambda: not live_pods(cp), WAIT_S, 0.2)
+    if stay_awake:
+        # With a cooldown of 0 KEDA scales the model down again as soon as it is idle.
+        patch = ["--type=merge", "-p", json.dumps({"spec": {"autoscaling": {"cooldownSeconds": 3600}}})]
+        cp.kubectl("patch", "servedmodel", NAME, "-n", NAMESPACE, *patch)
+        wait("the ScaledObject's cooldown", lambda: cooldown(cp) == 3600, 60, 0.2)
     if vllm is not None:
         vllm.stop()
     write_override(override, ["# asleep"])
@@ -235,6 +242,8 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--interval", type=int, default=5, help="probe interval, s (the minimum)")
     args = ap.parse_args()
+    if args.wakes < 1:
+        ap.error("--wakes: at least 1 (the warm requests go to the last wake's engine)")
     missing = [str(p) for p in binaries().values() if not p.exists()]
     if missing:
         print(f"not built: {', '.join(missing)}; run `make keda`", file=sys.stderr)
@@ -264,7 +273,8 @@ def main() -> int:
                         body = served_model(args.engine, args.interval, prom.base_url)
                         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
                         for i in range(args.wakes):
-                            got = one_wake(cp, rig, override, vllm)
+                            # the last wake's model stays up for the warm requests
+                            got = one_wake(cp, rig, override, vllm, stay_awake=i == args.wakes - 1)
                             for k, v in got.items():
                                 stages.setdefault(k, []).append(v)
                             print(
@@ -272,20 +282,6 @@ def main() -> int:
                                 f"(status wakeSeconds {got['status_wake']:.2f} s)",
                                 file=sys.stderr,
                             )
-                        # Warm: the last wake's pod serving. With a cooldown of 0 KEDA could scale it
-                        # down between two requests: keep it awake while measuring.
-                        awake = {"spec": {"autoscaling": {"cooldownSeconds": 3600}}}
-                        cp.kubectl(
-                            "patch",
-                            "servedmodel",
-                            NAME,
-                            "-n",
-                            NAMESPACE,
-                            "--type=merge",
-                            "-p",
-                            json.dumps(awake),
-                        )
-                        wait("the ScaledObject's cooldown", lambda: cooldown(cp) == 3600, 60, 0.2)
                         direct, via, failed = warm(rig, args.warm)
                 finally:
                     release_scaled_objects(cp, NAMESPACE)
