@@ -1,0 +1,175 @@
+"""The operator's readiness gate, honoured by a real kubelet: a ServedModel (engine.kind simulator, the
+simulator image built by hack/images.py from images/simulator/Containerfile) whose engine pod lands on
+realnode.REAL_NODE. The kubelet runs the container and its /health probes; the operator, a real
+`servedmodel run` on this machine with no endpoint override, probes the pod at its pod IP over the CNI
+bridge and sets the gate condition; only then does the kubelet report the pod Ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_real_node import wait_pod
+
+import controlplane
+import images
+import realnode
+from servedmodel.api.conditions import SERVING
+from servedmodel.api.probe import READINESS_GATE_CONDITION
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 180.0
+
+
+def _condition(conds: list[dict[str, Any]] | None, kind: str) -> str | None:
+    for c in conds or []:
+        if c.get("type") == kind:
+            return str(c.get("status"))
+    return None
+
+
+@pytest.fixture
+def operator_log(
+    control_plane: controlplane.ControlPlane, namespace: str, tmp_path: Path
+) -> Iterator[Callable[[], str]]:
+    """`servedmodel run` for the test's namespace, allowed to reach the real node's pod CIDR, with no
+    SERVEDMODEL_ENDPOINT_OVERRIDE: the probe goes to each engine pod's own IP. Stopped by its pid."""
+    health, metrics = controlplane.free_ports(2)
+    log_path = tmp_path / "operator.log"
+    env = {k: v for k, v in os.environ.items() if k != "SERVEDMODEL_ENDPOINT_OVERRIDE"}
+    env |= {
+        "KUBECONFIG": str(control_plane.kubeconfig),
+        "SERVEDMODEL_HEALTH_PORT": str(health),
+        "SERVEDMODEL_METRICS_PORT": str(metrics),
+        "SERVEDMODEL_ALLOWED_TARGETS": realnode.POD_CIDR,
+        "SERVEDMODEL_METRICS_AUTH": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [sys.executable, "-m", "servedmodel.cli", "run", "--bind-address", "127.0.0.1"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*args, "--namespace", namespace],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def read_log() -> str:
+        return log_path.read_text(errors="replace")[-20000:] if log_path.exists() else "(no log)"
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"operator exited with {proc.returncode}:\n{read_log()}"
+            assert time.monotonic() < deadline, f"operator not healthy after 90 s:\n{read_log()}"
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+                urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    break
+            time.sleep(0.2)
+        yield read_log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+
+
+def served_model(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.servedmodel.io/v1alpha1",
+        "kind": "ServedModel",
+        "metadata": {"name": name},
+        "spec": {
+            "model": "Qwen/Qwen2.5-0.5B-Instruct",
+            "engine": {"kind": "simulator", "image": images.reference("simulator"), "maxModelLen": 4096},
+            "resources": {"gpus": 0},
+            "nodeSelector": {realnode.REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": realnode.REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "probe": {"interval": 5, "readinessGate": True, "firstByteTimeout": 5, "timeout": 20},
+        },
+    }
+
+
+def test_operator_gate_opens_a_real_engine_pod(
+    control_plane: controlplane.ControlPlane,
+    real_node: realnode.RealNode,
+    namespace: str,
+    operator_log: Callable[[], str],
+) -> None:
+    cp = control_plane
+    archive, ref = images.ensure("simulator")
+    real_node.ctr("images", "import", "--all-platforms", str(archive))
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(served_model("qwen")))
+
+    def engine_pod() -> dict[str, Any] | None:
+        pods = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=qwen")
+        live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+        return live[0] if len(live) == 1 else None
+
+    deadline = time.monotonic() + WAIT_S
+    pod = None
+    while pod is None and time.monotonic() < deadline:
+        pod = engine_pod()
+        time.sleep(0.5)
+    assert pod is not None, f"no engine pod after {WAIT_S:.0f} s:\n{operator_log()}"
+    name = pod["metadata"]["name"]
+    assert pod["spec"]["readinessGates"] == [{"conditionType": READINESS_GATE_CONDITION}]
+    assert pod["spec"]["containers"][0]["image"] == ref
+
+    # The kubelet's /health probes pass first: containers ready, the pod held back by the gate until the
+    # operator's probe completed a chat request at the pod's IP.
+    pod = wait_pod(
+        cp,
+        namespace,
+        name,
+        "ContainersReady",
+        lambda p: _condition(p.get("status", {}).get("conditions"), "ContainersReady") == "True",
+        timeout=WAIT_S,
+    )
+    assert pod["spec"]["nodeName"] == realnode.REAL_NODE
+    pod = wait_pod(
+        cp,
+        namespace,
+        name,
+        "Ready (the gate opened)",
+        lambda p: _condition(p.get("status", {}).get("conditions"), "Ready") == "True",
+        timeout=WAIT_S,
+    )
+    conds = pod["status"]["conditions"]
+    assert _condition(conds, READINESS_GATE_CONDITION) == "True"
+    served = cp.get_json("servedmodel", "qwen", "-n", namespace)
+    assert _condition((served.get("status") or {}).get("conditions"), SERVING) == "True", operator_log()
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/health", timeout=5) as r:
+        assert r.status == 200
+
+    cp.kubectl("delete", "-n", namespace, "servedmodel", "qwen", "--wait=false")
+    # The Deployment goes with its owner (garbage collection), then the pod: the kubelet tears it down.
+    deadline = time.monotonic() + 60
+    while engine_pod() is not None or _pods_left(cp, namespace):
+        assert time.monotonic() < deadline, "the engine pod outlived its ServedModel by 60 s"
+        time.sleep(0.5)
+
+
+def _pods_left(cp: controlplane.ControlPlane, namespace: str) -> bool:
+    return bool(cp.get_json("pods", "-n", namespace)["items"])
