@@ -156,8 +156,21 @@ def test_operator_gate_opens_a_real_engine_pod(
         lambda p: _condition(p.get("status", {}).get("conditions"), "Ready") == "True",
         timeout=WAIT_S,
     )
-    conds = pod["status"]["conditions"]
-    assert _condition(conds, READINESS_GATE_CONDITION) == "True"
+    conds = {c["type"]: c for c in pod["status"]["conditions"]}
+    assert conds[READINESS_GATE_CONDITION]["status"] == "True"
+    # In that order: containers ready (the kubelet), the gate (the operator), Ready (the kubelet again).
+    order = [conds[t]["lastTransitionTime"] for t in ("ContainersReady", READINESS_GATE_CONDITION, "Ready")]
+    assert order == sorted(order), conds
+    # A real process: the image's non-root user, seccomp filtering (RuntimeDefault), no capabilities.
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    tasks = real_node.ctr("tasks", "ls").stdout.splitlines()[1:]
+    pid = next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    assert status["Uid"].split()[0] == "1001"
+    assert status["Seccomp"].strip() == "2"
+    assert int(status["CapEff"], 16) == 0
     served = cp.get_json("servedmodel", "qwen", "-n", namespace)
     assert _condition((served.get("status") or {}).get("conditions"), SERVING) == "True", operator_log()
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/health", timeout=5) as r:
