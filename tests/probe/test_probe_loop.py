@@ -89,15 +89,25 @@ async def test_a_stall_of_the_probe_loop_is_kept_and_found_by_its_window() -> No
     try:
 
         async def stall() -> tuple[int, int]:
-            await asyncio.sleep(0.05)  # the watch runs while a probe is in flight
-            t0 = time.monotonic_ns()
-            time.sleep(PROBE_STALL_S * 3)  # noqa: ASYNC251  (the stall under test)
-            await asyncio.sleep(0.05)
-            return t0, time.monotonic_ns()
+            watch = watch_of(asyncio.get_running_loop())
+            assert watch is loop.watch
+            with watch.watching():  # as run_probe while its streams are read
+                await asyncio.sleep(0.05)
+                t0 = time.monotonic_ns()
+                time.sleep(PROBE_STALL_S * 3)  # noqa: ASYNC251  (the stall under test)
+                await asyncio.sleep(0.05)
+                return t0, time.monotonic_ns()
 
         t0, t1 = await loop.submit(stall())
+        ticks = len(seen)
+
+        async def idle() -> None:
+            await asyncio.sleep(0.1)
+
+        await loop.submit(idle())  # nothing watched: no ticks (the quiet parts of a cycle cost nothing)
     finally:
         await loop.stop()
+    assert ticks <= len(seen) <= ticks + 1  # at most the tick that was due when the watching ended
     assert max(seen) > PROBE_STALL_S
     assert loop.watch.stalled_ms(t0, t1) > PROBE_STALL_S * 1000
     assert loop.watch.stalled_ms(t1 + 10**9, t1 + 2 * 10**9) == 0  # not outside its window

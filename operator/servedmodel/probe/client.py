@@ -697,7 +697,7 @@ async def run_probe(
         return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint, memo)
     # A loop nobody watches (the one-shot CLI, a test driving cycles itself): watch it for this cycle, so
     # a hold-up there is the prober's as it is on the ProbeLoop.
-    watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S)
+    watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S, only_while_busy=True)
     watching = loop.create_task(watch.run(), name="probe-cycle-watch")
     try:
         return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint, memo)
@@ -752,14 +752,15 @@ async def _run_probe(
                 await tokenize(client, base, spec, api_key, out, bodies[0]["messages"], deadline)
             if not scraped:
                 await _scrape_before(metrics, out)
-            timings = await gather_or_cancel(
-                *(
-                    stream_chat(
-                        client, base, b, api_key, f"probe-{uuid.uuid4().hex}", max_tokens=spec.max_tokens
+            with watch.watching():  # the loop's lag is watched while the streams are read (probe/loop.py)
+                timings = await gather_or_cancel(
+                    *(
+                        stream_chat(
+                            client, base, b, api_key, f"probe-{uuid.uuid4().hex}", max_tokens=spec.max_tokens
+                        )
+                        for b in bodies
                     )
-                    for b in bodies
                 )
-            )
             out.timings = list(timings)
             out.first_token_at = _first_token_at(out.timings)
     except ProbeFailure as f:
