@@ -1,14 +1,18 @@
 """What one probe cycle costs the operator: CPU and requests per cycle, the full request path every cycle
-against the operator's mix (a full path, then FULL_PATH_EVERY - 1 light cycles: probe/client.PathMemo).
+against the operator's mix (a full path, then FULL_PATH_EVERY - 1 light cycles: probe/client.PathMemo),
+for each way of running the probe: asyncio's or uvloop's event loop, httpx's own transport or the
+probe's HTTP/1.1 transport (probe/http11.py).
 
-One simulator on loopback, one probing process; the two ways alternate in blocks of FULL_PATH_EVERY
-cycles, so the machine's noise falls on both alike. CPU is time.process_time() of this process across
-each whole cycle (every request, the /metrics parses, the checks); requests are counted by the client.
+One simulator on loopback, one probing process. Each way runs on its own ProbeLoop (a thread with its own
+event loop, as in the operator) with its own client; the cycles are submitted from the main loop. The ways
+and the two kinds of cycle alternate in blocks of FULL_PATH_EVERY cycles, so the machine's noise falls on
+all alike. CPU is time.process_time() of this process across each whole cycle (every request, the
+/metrics parses, the checks, the hand-over between the loops); requests are counted by the client.
 
-    .venv/bin/python bench/probe_cost.py [--blocks 10]
+    .venv/bin/python bench/probe_cost.py [--blocks 5]
 
-Run it with PYTHONPATH=<an older checkout>/operator to measure that checkout's full path (its run_probe
-has no memo: only the first row is printed).
+Run it with PYTHONPATH=<an older checkout>/operator to measure that checkout: the ways it lacks are left
+out (without a memo in its run_probe, only the full path is measured).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ import inspect
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 import servedmodel
 from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import client as probe
+from servedmodel.probe import loop as probe_loop
 from servedmodel.probe.endpoints import resolve_external
 from servedmodel.sim.process import SimulatorProcess
 
@@ -39,20 +46,60 @@ class Way:
     cpu_ms: list[float] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
 
-    def row(self, base: Way | None) -> str:
+    def row(self, base: Way) -> str:
         p50, mean = statistics.median(self.cpu_ms), statistics.fmean(self.cpu_ms)
-        ratio = f"{statistics.fmean(base.cpu_ms) / mean:.2f}x" if base is not None else "1.00x"
+        ratio = statistics.fmean(base.cpu_ms) / mean
         return (
             f"| {self.name} | {len(self.cpu_ms)} | {statistics.fmean(self.requests):.1f} | {p50:.2f} | "
-            f"{mean:.2f} | {max(self.cpu_ms):.2f} | {ratio} |"
+            f"{mean:.2f} | {max(self.cpu_ms):.2f} | {ratio:.2f}x |"
         )
+
+
+@dataclass
+class Setup:
+    """One way of running the probe: its event loop and its client's transport."""
+
+    name: str
+    loop_factory: Callable[[], asyncio.AbstractEventLoop]
+    transport: Callable[[], httpx.AsyncBaseTransport] | None  # None: httpx's own
+    full: Way = field(init=False)
+    mixed: Way = field(init=False)
+    loop: probe_loop.ProbeLoop = field(init=False)
+    client: httpx.AsyncClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.full = Way(f"{self.name}: full path every cycle")
+        self.mixed = Way(f"{self.name}: full path + light cycles")
+
+
+def setups() -> list[Setup]:
+    """What this checkout can run: asyncio + httpx always; uvloop and the probe's transport if present."""
+    out = [Setup("asyncio, httpx", asyncio.new_event_loop, None)]
+    lean: Callable[[], httpx.AsyncBaseTransport] | None = getattr(probe, "probe_transport", None)
+    uvloop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        uvloop_factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    if "loop_factory" not in inspect.signature(probe_loop.ProbeLoop).parameters:
+        return out
+    if uvloop_factory is not None:
+        out.append(Setup("uvloop, httpx", uvloop_factory, None))
+    if lean is not None:
+        out.append(Setup("asyncio, probe transport", asyncio.new_event_loop, lean))
+        if uvloop_factory is not None:
+            out.append(Setup("uvloop, probe transport", uvloop_factory, lean))
+    return out
 
 
 async def run(blocks: int) -> list[Way]:
     spec = ProbeSpec()
     every = getattr(probe, "FULL_PATH_EVERY", 10)
     has_memo = "memo" in inspect.signature(probe.run_probe).parameters
-    full, mixed = Way("full path every cycle"), Way("operator: full path + light cycles")
+    loop_factory = "loop_factory" in inspect.signature(probe_loop.ProbeLoop).parameters
+    ways = setups()
     sent: Counter[str] = Counter()
 
     async def count(request: httpx.Request) -> None:
@@ -60,44 +107,56 @@ async def run(blocks: int) -> list[Way]:
 
     async with SimulatorProcess(BASE, ready_timeout=60) as sim:
         target = resolve_external(sim.base_url)
-        async with probe.probe_client(spec) as client:
-            client.event_hooks["request"].append(count)
 
-            async def cycle(way: Way | None, memo: object) -> None:
-                kwargs = {"memo": memo} if memo is not None else {}
-                metrics = probe.PodMetrics(client, [sim.base_url], "qwen")
-                sent.clear()
-                c0 = time.process_time()
-                out = await probe.run_probe(client, target, spec, model="qwen", metrics=metrics, **kwargs)
-                c1 = time.process_time()
-                if out.failure is not None:
-                    raise RuntimeError(f"probe failed: {out.failure}")
-                if way is not None:
-                    way.cpu_ms.append((c1 - c0) * 1000)
-                    way.requests.append(sum(sent.values()))
+        async def cycle(s: Setup, way: Way | None, memo: object) -> None:
+            kwargs = {"memo": memo} if memo is not None else {}
+            metrics = probe.PodMetrics(s.client, [sim.base_url], "qwen")
+            sent.clear()
+            c0 = time.process_time()
+            out = await s.loop.submit(
+                probe.run_probe(s.client, target, spec, model="qwen", metrics=metrics, **kwargs)
+            )
+            c1 = time.process_time()
+            if out.failure is not None:
+                raise RuntimeError(f"{s.name}: probe failed: {out.failure}")
+            if way is not None:
+                way.cpu_ms.append((c1 - c0) * 1000)
+                way.requests.append(sum(sent.values()))
 
-            for _ in range(WARMUP):
-                await cycle(None, None)
-            memo = probe.PathMemo("bench") if has_memo else None
+        try:
+            for s in ways:
+                kw: dict[str, Any] = {"loop_factory": s.loop_factory} if loop_factory else {}
+                s.loop = probe_loop.ProbeLoop(f"bench-{s.name}", **kw)
+                s.loop.start()
+                kw = {"transport": s.transport()} if s.transport is not None else {}
+                s.client = httpx.AsyncClient(
+                    timeout=probe.http_timeout(spec), trust_env=False, event_hooks={"request": [count]}, **kw
+                )
+                for _ in range(WARMUP):
+                    await cycle(s, None, None)
+            memos = {s.name: probe.PathMemo("bench") if has_memo else None for s in ways}
             for _ in range(blocks):
-                for _ in range(every):
-                    await cycle(full, None)
-                if memo is not None:
+                for s in ways:
                     for _ in range(every):
-                        await cycle(mixed, memo)
-    return [full, mixed] if has_memo else [full]
+                        await cycle(s, s.full, None)
+                    for _ in range(every if has_memo else 0):
+                        await cycle(s, s.mixed, memos[s.name])
+        finally:
+            for s in ways:
+                await s.loop.stop([s.client.aclose])
+    return [w for s in ways for w in ((s.full, s.mixed) if has_memo else (s.full,))]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=10, help="blocks of FULL_PATH_EVERY cycles per way")
+    parser.add_argument("--blocks", type=int, default=5, help="blocks of FULL_PATH_EVERY cycles per way")
     args = parser.parse_args()
     ways = asyncio.run(run(args.blocks))
     print(f"servedmodel from {servedmodel.__file__}")
-    print("| probe cycles | n | requests per cycle | CPU ms p50 | CPU ms mean | CPU ms max | vs full path |")
+    print("| probe cycles | n | requests per cycle | CPU ms p50 | CPU ms mean | CPU ms max | vs first row |")
     print("|---|---|---|---|---|---|---|")
     for way in ways:
-        print(way.row(ways[0] if way is not ways[0] else None))
+        print(way.row(ways[0]))
     return 0
 
 
