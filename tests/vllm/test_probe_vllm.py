@@ -130,7 +130,10 @@ async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLL
     # deltas the stream has not taken yet (vllm/v1/engine/output_processor.py, aggregate for DELTA), as a
     # loaded CI machine showed (13 events for 16 tokens).
     assert 1 <= len(out.timing.token_ns) <= status.usage.completion_tokens
-    assert out.timing.chunk_tokens == [1] * status.usage.completion_tokens
+    # Continuous usage names each event's tokens: every event carries at least one, and they add up.
+    assert all(k is not None and k >= 1 for k in out.timing.chunk_tokens), out.timing.chunk_tokens
+    assert sum(k or 0 for k in out.timing.chunk_tokens) == status.usage.completion_tokens
+    assert len(out.timing.chunk_tokens) == len(out.timing.token_ns)
 
 
 async def test_probe_cycle_with_a_system_prompt_and_several_turns(vllm_qwen25: VLLMServer) -> None:

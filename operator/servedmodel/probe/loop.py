@@ -73,7 +73,7 @@ class LoopWatch:
     A tick is a bare timer callback (no task, no future: a few microseconds on uvloop), and a watch made
     `only_while_busy` ticks only inside `watching()`: the probe's streams (run_probe), the only reads its
     figures time. Ticking through a whole cycle (the quiet 0.2 s after the first scrape, the scrapes) cost
-    a light cycle ~2.8 ms of its ~7.8 ms CPU on uvloop, ticking so ~0.3 ms (issue 21; 40 light cycles each)."""
+    a light cycle ~2.8 ms of its ~7.8 ms CPU on uvloop, ticking so ~0.3 ms (issue 21; 40 light cycles)."""
 
     def __init__(
         self,
