@@ -77,3 +77,6 @@ _.eof_received
 _.connection_lost
 _.pause_writing
 _.resume_writing
+# http.cookiejar.CookieJar's hooks, called by httpx per answer and request (probe/client.py's _NoCookies).
+_.extract_cookies
+_.add_cookie_header

@@ -13,9 +13,10 @@ import json
 import resource
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 MB = 1_000_000
 CHUNK = b"x" * (1 << 20)  # written again and again: the server itself holds one MiB, whatever it sends
@@ -30,6 +31,7 @@ MODES = (
     "endless-line",  # the chat stream: one SSE line that never ends
     "echo-key",  # GET /v1/models: 401 whose body echoes the Authorization header
     "gzip-bomb",  # GET /v1/models: 64 MB of JSON whitespace, gzip-encoded (~300 KB on the wire)
+    "cookies",  # every answer sets a 3 KB cookie; the Cookie headers it is sent are kept in `cookies_seen`
 )
 _BOMB: list[bytes] = []
 
@@ -47,6 +49,7 @@ def gzip_bomb() -> bytes:
 class Hostile:
     mode: str
     trickle_s: float = 5.0
+    cookies_seen: list[str] = field(default_factory=list)  # "cookies": the Cookie header of each request
 
 
 def _chunk(content: str, n: int) -> bytes:
@@ -130,7 +133,15 @@ def app(h: Hostile) -> web.Application:
             await resp.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    a = web.Application()
+    @web.middleware
+    async def cookies(request: web.Request, handler: Handler) -> web.StreamResponse:
+        h.cookies_seen.append(request.headers.get("Cookie", ""))
+        resp = await handler(request)
+        if not resp.prepared:
+            resp.set_cookie(f"s{len(h.cookies_seen)}", "c" * 3000, path="/")
+        return resp
+
+    a = web.Application(middlewares=[cookies] if h.mode == "cookies" else [])
     a.add_routes(
         [
             web.get("/health", health),

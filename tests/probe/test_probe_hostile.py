@@ -87,6 +87,14 @@ async def test_an_echoed_api_key_never_leaves_the_probe() -> None:
     assert "Bearer [REDACTED]" in out.failure.message
 
 
+async def test_an_engines_cookies_are_never_sent_back() -> None:
+    h = Hostile("cookies")
+    out, _, _ = await probe_hostile(h)
+    assert out.failure is None, out.failure
+    assert len(h.cookies_seen) >= 4  # /v1/models, /tokenize, /metrics before and after, the chat...
+    assert h.cookies_seen == [""] * len(h.cookies_seen)  # ...none carrying what an earlier answer set
+
+
 def test_snippets_are_bounded_and_redacted() -> None:
     text = "x" * 290 + f" Authorization: Bearer {API_KEY} and again {API_KEY}"
     s = errors.snippet(text, (API_KEY,))

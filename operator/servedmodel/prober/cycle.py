@@ -53,7 +53,7 @@ from servedmodel.probe.client import (
     PathMemo,
     PodMetrics,
     ProbeOutcome,
-    http_timeout,
+    http_client,
     probe_transport,
     run_probe,
 )
@@ -143,8 +143,9 @@ class Model:
     due: float = 0.0
     placed: bool = False  # its first due time has been chosen
     task: asyncio.Task[None] | None = None
+    # what its cycles last wrote, held once: status.probe is parsed from it when needed
+    # (compose.previous_probe_status)
     last_patch: dict[str, Any] | None = None
-    last_status: ProbeStatus | None = None
     cycles: int = 0
     removed: bool = False
     windows: dict[str, Window] = field(default_factory=dict)  # pod -> its figures at the last cycle
@@ -265,7 +266,7 @@ class CycleRunner:
 
     def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
         """A client with this model's limits over the one connection pool."""
-        return httpx.AsyncClient(transport=_Shared(self._pool()), timeout=http_timeout(spec), trust_env=False)
+        return http_client(spec, _Shared(self._pool()))
 
     def closers(self) -> list[Any]:
         """The clients to close on the probe loop, whose connections they hold (the scheduler's stop)."""
@@ -311,7 +312,7 @@ class CycleRunner:
             model.worker_windows = {p: w for p, w in model.worker_windows.items() if p in plan.pods}
             model.metrics_compat = {p: v for p, v in model.metrics_compat.items() if p in plan.pods}
             model.starts = {p: t for p, t in model.starts.items() if p in plan.pods}
-            previous = previous_probe_status(status, model.last_status)
+            previous = previous_probe_status(status, model.last_patch)
             if plan.targets:
                 rollout = previous_rollout(status, model.last_patch)
                 probed = await self._probe_pods(model, spec, plan.targets, rollout)
@@ -347,7 +348,7 @@ class CycleRunner:
         now = datetime.now(UTC)
         share = None
         if plan is not None:
-            previous = previous_probe_status(status, model.last_status)
+            previous = previous_probe_status(status, model.last_patch)
             conds = status.get("conditions")
             share = adapters.compose_adapters(spec, synced, previous, plan.eligible, conds, generation, now)
         compatible = None
@@ -356,7 +357,7 @@ class CycleRunner:
             stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
             conds = status.get("conditions")
             compatible = compat_condition(verdicts, plan.eligible, conds, generation, stamp)
-        cycle = Cycle(out, spec, status, generation, now, model.last_status, model.last_patch, pods, share)
+        cycle = Cycle(out, spec, status, generation, now, model.last_patch, pods, share)
         composed = compose(dataclasses.replace(cycle, metrics_compatible=compatible, startups=started))
         for start in composed.started:
             self.metrics.record_start(namespace, name, start)
@@ -391,15 +392,13 @@ class CycleRunner:
         if model.last_patch is not None and "rollout" in model.last_patch:
             said = rollout_verdict(model.last_patch["rollout"])
         rollout_changed = said != rollout_verdict(patch.get("rollout"))
-        if await self._write(model, body, patch, new):
+        if await self._write(model, body, patch):
             result.written = True
             if before != after or rollout_changed:  # the reconciler reads these
                 self._enqueue(model.key)
         return result
 
-    async def _write(
-        self, model: Model, body: Mapping[str, Any], patch: dict[str, Any], new: ProbeStatus | None
-    ) -> bool:
+    async def _write(self, model: Model, body: Mapping[str, Any], patch: dict[str, Any]) -> bool:
         """The cycle's one status write (server-side apply, the probe's field manager); False when the
         ServedModel was forgotten meanwhile, is gone (404: it leaves the cache too) or the write failed."""
         namespace, name = model.key
@@ -416,8 +415,6 @@ class CycleRunner:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
             return False
         model.last_patch = patch
-        if new is not None:
-            model.last_status = new
         if isinstance(written, dict) and written.get("metadata"):
             # The cache's slim copy where it has one: the answer itself carries managedFields (the
             # probe's status twice over), and a thousand of them were a tenth of the operator's memory.
@@ -687,7 +684,7 @@ class CycleRunner:
         namespace, name = model.key
         if model.removed:
             return
-        previous = previous_probe_status(status, model.last_status)
+        previous = previous_probe_status(status, model.last_patch)
         before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
         for r in probed:
             pod = plan.pods.get(r.name)
@@ -776,7 +773,7 @@ class CycleRunner:
             patch["probe"] = probe  # kept as last written: server-side apply drops what we omit
         keep_rollout(status, model.last_patch, patch)
         keep_startup(status, model.last_patch, patch)
-        if await self._write(model, body, patch, None):
+        if await self._write(model, body, patch):
             result.written = True
             self._enqueue(model.key)
         return result
