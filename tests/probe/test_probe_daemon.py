@@ -5,6 +5,7 @@ API server is in tests/cluster/test_probe_cluster.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,9 +19,10 @@ from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.status import ServedModelStatus
 from servedmodel.k8s.cache import Cache
 from servedmodel.probe.client import ProbeOutcome
-from servedmodel.probe.compose import status_patch
+from servedmodel.probe.compose import previous_probe_status, status_patch
 from servedmodel.probe.errors import ENGINE_UNHEALTHY, ProbeFailure
 from servedmodel.prober import ProbeScheduler, first_due
+from servedmodel.prober.cycle import Model
 from servedmodel.sim.process import SimulatorProcess
 
 MANAGED = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "resources": {"gpus": 1}}
@@ -52,11 +54,27 @@ def test_previous_status_falls_back_to_the_last_write() -> None:
     t2 = datetime(2026, 11, 29, 19, 1, tzinfo=UTC)
     spec = ServedModelSpec.model_validate(MANAGED)
     fail1 = ProbeOutcome(endpoint="x", started=t1, ended=t1, failure=ProbeFailure(ENGINE_UNHEALTHY, "503"))
-    first, _ = status_patch(fail1, spec.probe, {}, 1)
+    first, first_patch = status_patch(fail1, spec.probe, {}, 1)
     fail2 = ProbeOutcome(endpoint="x", started=t2, ended=t2, failure=ProbeFailure(ENGINE_UNHEALTHY, "503"))
     stale_body: dict[str, Any] = {}
-    second, _ = status_patch(fail2, spec.probe, stale_body, 1, first)
+    second, second_patch = status_patch(fail2, spec.probe, stale_body, 1, first_patch)
     assert second.consecutive_failures == 2
+    # the last write is parsed back from the patch as it was composed
+    assert previous_probe_status({}, first_patch) == first
+    # the body's own status.probe wins once the watch has delivered as new a write (or newer)
+    assert previous_probe_status({"probe": second_patch["probe"]}, first_patch) == second
+    # an older write than the body's is not continued from, nor a body from an older schema
+    assert previous_probe_status({"probe": first_patch["probe"]}, second_patch) == second
+    assert previous_probe_status({"probe": {"unknownField": 1}}, first_patch) == first
+    assert previous_probe_status({"probe": {"unknownField": 1}}, None) is None
+
+
+def test_the_scheduler_keeps_its_last_write_once() -> None:
+    """A ServedModel's status.probe is held as the cache's body and the scheduler's last patch, not
+    also as a parsed ProbeStatus (~12 KB per ServedModel: 120 MB at 10,000)."""
+    held = {f.name: str(f.type) for f in dataclasses.fields(Model)}
+    assert "last_patch" in held
+    assert not [name for name, kind in held.items() if "ProbeStatus" in kind]
 
 
 def test_first_due_spreads_new_models_and_keeps_the_spread_after_a_restart() -> None:

@@ -81,8 +81,7 @@ class Cycle:
     status: Mapping[str, Any]  # the ServedModel's status as read
     generation: int | None
     now: datetime
-    last_status: ProbeStatus | None = None  # status.probe as this scheduler last wrote it
-    last_patch: Mapping[str, Any] | None = None  # this scheduler's last patch
+    last_patch: Mapping[str, Any] | None = None  # this scheduler's last patch (status.probe as it wrote it)
     pods: Pods | None = None  # None: external mode (one endpoint, no pods)
     adapters: AdapterShare | None = None  # None: no spec.adapters
     metrics_compatible: dict[str, Any] | None = None  # the MetricsCompatible condition (probe/compat.py)
@@ -99,21 +98,31 @@ class Composed:
 
 
 def previous_probe_status(
-    body_status: Mapping[str, Any], last_written: ProbeStatus | None
+    body_status: Mapping[str, Any], last_patch: Mapping[str, Any] | None
 ) -> ProbeStatus | None:
-    """The status.probe to continue from: the object's, or what this scheduler wrote last when the watch
-    has not delivered that write yet (the newer lastProbeTime wins)."""
-    previous = None
-    if isinstance(body_status.get("probe"), dict):
-        try:
-            previous = ProbeStatus.model_validate(body_status["probe"])
-        except ValidationError:
-            previous = None  # an older schema: start the window afresh
-    if last_written is not None and (
-        previous is None or (previous.last_probe_time or "") < (last_written.last_probe_time or "")
-    ):
-        previous = last_written
-    return previous
+    """The status.probe to continue from: the object's, or what this scheduler wrote last (its last
+    patch's) when the watch has not delivered that write yet (the newer lastProbeTime wins).
+
+    Parsed here, at each use: the scheduler keeps what it wrote once, as the patch's dicts (a parsed
+    ProbeStatus kept beside them was ~12 KB per ServedModel)."""
+    read, written = body_status.get("probe"), (last_patch or {}).get("probe")
+    if _probe_time(read) < _probe_time(written):
+        read = None  # ours is newer (no lastProbeTime: "", older than any)
+    previous = _parsed_probe(read)
+    return previous if previous is not None else _parsed_probe(written)
+
+
+def _probe_time(probe: Any) -> str:
+    return str(probe.get("lastProbeTime") or "") if isinstance(probe, Mapping) else ""
+
+
+def _parsed_probe(probe: Any) -> ProbeStatus | None:
+    if not isinstance(probe, Mapping):
+        return None
+    try:
+        return ProbeStatus.model_validate(probe)
+    except ValidationError:
+        return None  # an older schema: start the window afresh
 
 
 def _last_written(status: Mapping[str, Any], last_patch: Mapping[str, Any] | None, field_: str) -> Any:
@@ -143,11 +152,12 @@ def status_patch(
     probe: ProbeSpec,
     body_status: Mapping[str, Any],
     generation: int | None,
-    last_written: ProbeStatus | None = None,
+    last_patch: Mapping[str, Any] | None = None,
     now: datetime | None = None,
 ) -> tuple[ProbeStatus, dict[str, Any]]:
-    """External mode's share of the status: status.probe and its conditions."""
-    previous = previous_probe_status(body_status, last_written)
+    """External mode's share of the status: status.probe and its conditions (`last_patch`: this
+    scheduler's last write, see previous_probe_status)."""
+    previous = previous_probe_status(body_status, last_patch)
     new = build_status(out, probe, previous)
     return new, _patch(new, probe, body_status, generation, now or out.ended or out.started)
 
@@ -155,10 +165,10 @@ def status_patch(
 def compose(c: Cycle) -> Composed:
     """Everything the probe writes after this cycle (see the module docstring)."""
     if c.pods is None:
-        new, patch = status_patch(c.outcome, c.spec.probe, c.status, c.generation, c.last_status, c.now)
+        new, patch = status_patch(c.outcome, c.spec.probe, c.status, c.generation, c.last_patch, c.now)
         keep_startup(c.status, c.last_patch, patch)
         return Composed(new, patch)
-    previous = previous_probe_status(c.status, c.last_status)
+    previous = previous_probe_status(c.status, c.last_patch)
     old_pods = list(previous.pods or []) if previous is not None else []
     pods = merge_pods(old_pods, list(c.pods.probed), list(c.pods.eligible))
     new = summarize(build_status(c.outcome, c.spec.probe, previous), pods, c.pods.replicas)
