@@ -2,7 +2,8 @@
 
 Method
 - One control plane (hack/controlplane.py: real kube-apiserver, controller-manager, scheduler; kwok with a
-  fake node that admits 5,000 pods and a /16 Service range). The ServedModels use the simulator engine
+  fake node that admits 5,000 pods and a /16 Service range), with more fake nodes past 4,500 ServedModels
+  (`extra_nodes`) and an 8 GiB etcd quota. The ServedModels use the simulator engine
   with `resources.gpus: 0`, so GPUs do not limit scheduling and kwok makes every pod Ready.
 - One simulator on 127.0.0.1; the operator runs as a subprocess (`servedmodel run -n bench`) with
   SERVEDMODEL_ENDPOINT_OVERRIDE pointing at it, so every probe goes to that one simulator.
@@ -18,6 +19,7 @@ Method
     .venv/bin/python bench/operator_scale.py -n 100
     .venv/bin/python bench/operator_scale.py -n 1000 --idle 60
     .venv/bin/python bench/operator_scale.py -n 3000 --idle 60 --timeout 900
+    .venv/bin/python bench/operator_scale.py -n 10000 --idle 60 --timeout 3600 --no-delete
 
 Never a test: it prints a table (markdown with --markdown) for docs/benchmarks.md.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -69,6 +72,18 @@ def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
             "probe": {"enabled": probe, "interval": probe_interval, "readinessGate": False},
         },
     }
+
+
+# etcd's quota: the control plane's 1 GiB is about what 10,000 ServedModels' objects and history take.
+ETCD_QUOTA = 8 * 1024**3
+
+
+def extra_nodes(n: int) -> list[dict[str, Any]]:
+    """The fake nodes to add beside the control plane's kwok-gpu-0 so that n one-replica pods fit: it
+    admits NODE_PODS pods, and the ones added as many each (a tenth spare). The /16 Service range
+    holds 65,534 ClusterIPs: no change needed there."""
+    count = math.ceil(n * 1.1 / controlplane.NODE_PODS)
+    return [controlplane.gpu_node(f"kwok-gpu-{k}") for k in range(1, count)]
 
 
 def apiserver_requests(cp: controlplane.ControlPlane) -> dict[str, tuple[float, float]]:
@@ -239,9 +254,11 @@ def count(cp: controlplane.ControlPlane, what: str) -> int:
 def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     n = args.n
     with contextlib.ExitStack() as stack:
-        cp = stack.enter_context(controlplane.running())
+        cp = stack.enter_context(controlplane.running(etcd_flags=[f"--quota-backend-bytes={ETCD_QUOTA}"]))
         sim = stack.enter_context(SimulatorProcess([MODEL, "--max-model-len", "4096"]))
         prepare(cp, NAMESPACE)
+        for node in extra_nodes(n):
+            cp.request("POST", "/api/v1/nodes", node)
         operator = stack.enter_context(
             OperatorProcess(
                 cp,
@@ -317,7 +334,8 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         # so the request is sent again until nothing is left.
         collection = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
         sm_gone = deploy_gone = None
-        while time.monotonic() < t_delete + args.timeout:
+        # --no-delete: the control plane is stopped with everything in it
+        while not args.no_delete and time.monotonic() < t_delete + args.timeout:
             if sm_gone is None:
                 cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
             if sm_gone is None and count(cp, "servedmodels") == 0:
@@ -424,6 +442,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many s")
     parser.add_argument("--probe-interval", type=int, default=60, help="spec.probe.interval (default 60)")
     parser.add_argument("--no-probe", action="store_true", help="spec.probe.enabled: false")
+    parser.add_argument("--no-delete", action="store_true", help="skip the delete phase (its row says nan)")
     parser.add_argument("--log", type=Path, default=None, help="write the operator's log here")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks of the operator here")

@@ -567,6 +567,7 @@ def start(
     detach: bool = False,
     volumes: int = 32,
     apiserver_flags: Sequence[str] = (),
+    etcd_flags: Sequence[str] = (),
 ) -> ControlPlane:
     """Start etcd, kube-apiserver, controller-manager, scheduler and kwok; return once the API server is
     ready, the GPU node is Ready and the `default` ServiceAccount exists. On failure everything started
@@ -575,7 +576,9 @@ def start(
     directory: where data, certificates, logs, kubeconfig and pids go (default: a new temporary
     directory, removed by stop()). detach: the components outlive this process (for `up`).
     volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs.
-    apiserver_flags: more kube-apiserver flags (a fault test's `--watch-cache=false`, say)."""
+    apiserver_flags: more kube-apiserver flags (a fault test's `--watch-cache=false`, say).
+    etcd_flags: more etcd flags, after the defaults (the last of a repeated flag wins: a bigger
+    `--quota-backend-bytes` for a benchmark of thousands of objects)."""
     attempts = 3
     for attempt in range(1, attempts + 1):
         try:
@@ -586,6 +589,7 @@ def start(
                 detach=detach,
                 volumes=volumes,
                 apiserver_flags=apiserver_flags,
+                etcd_flags=etcd_flags,
             )
         except _PortTaken as e:
             # A free port found by binding 0 can be taken by another run before the component binds it.
@@ -610,6 +614,7 @@ def _start_once(
     detach: bool,
     volumes: int,
     apiserver_flags: Sequence[str] = (),
+    etcd_flags: Sequence[str] = (),
 ) -> ControlPlane:
     t0 = time.monotonic()
     bin_dir = bin_dir or default_bin_dir()
@@ -664,6 +669,7 @@ def _start_once(
             f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
             f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
             "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=1073741824",
+            *etcd_flags,
         ])  # fmt: skip
         _make_pki(pki)  # while etcd starts
         (pki / "tokens.csv").write_text(f"{token},admin,admin,system:masters\n")
