@@ -264,6 +264,8 @@ def test_scheduler_follows_the_watch_fed_cache(faults: SimulatorProcess) -> None
             cached = cache.get("ServedModel", "ns", "cached")
             assert cached is not None
             assert cached["status"]["probe"]["result"] == "Success"  # written through
+            # the cache's copy is the only one: the scheduler's Model keeps no body beside it
+            assert sched._models[("ns", "cached")].body is None
             cache.remove("ServedModel", "ns", "cached")
             for _ in range(300):  # the loop looks at the cache at least every IDLE_TICK_S (5 s)
                 if not sched.tracked():

@@ -416,9 +416,12 @@ class CycleRunner:
             return False
         model.last_patch = patch
         if isinstance(written, dict) and written.get("metadata"):
-            # The cache's slim copy where it has one: the answer itself carries managedFields (the
-            # probe's status twice over), and a thousand of them were a tenth of the operator's memory.
-            model.body = self._write_through(SERVED_MODEL_KIND, written)
+            # Into the cache, whose copy the next cycle reads; the Model keeps it only without a cache
+            # (_body). A copy kept here outlived the cache's next event of this ServedModel: a second
+            # body per ServedModel until the next write. The answer itself carries managedFields.
+            body_written = self._write_through(SERVED_MODEL_KIND, written)
+            if self.cache is None:
+                model.body = body_written
         self.metrics.status_writes.labels(namespace, name).inc()
         return True
 

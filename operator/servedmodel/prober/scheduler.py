@@ -238,6 +238,8 @@ class ProbeScheduler:
             interval = float(((model.body or {}).get("spec") or {}).get("probe", {}).get("interval") or 60)
             last = (status.get("probe") or {}).get("lastProbeTime")
             self._push(model, first_due(now, interval, last, wall, self.rng))
+            if self.cache is not None:
+                model.body = None  # cycles read the cache's copy; this one would outlive its next event
 
     async def _run(self) -> None:
         assert self._wake is not None
