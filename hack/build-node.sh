@@ -3,8 +3,8 @@
 #   kubelet and kube-proxy at K8S_VERSION (the throwaway module of build-control-plane.sh, so the Go build
 #   cache of kube-apiserver & co. is reused), containerd + ctr + containerd-shim-runc-v2 at CONTAINERD_VERSION
 #   (static, CGO_ENABLED=0, with the tags that drop cgo-only snapshotters), the CNI plugins bridge,
-#   host-local, loopback and portmap at CNI_PLUGINS_VERSION. runc is Debian's (apt-get install runc): it
-#   needs cgo and libseccomp to build from source.
+#   host-local, loopback and portmap at CNI_PLUGINS_VERSION. runc is Debian's (apt-get installs it when
+#   missing, as iptables for kube-proxy): it needs cgo and libseccomp to build from source.
 # Outputs: ${CACHE}/node-<K8S>-<containerd>-<cni>/bin (cni plugins in bin/cni). Each is skipped when present;
 # timings are appended to build-times.txt there. Nothing here is committed.
 set -euo pipefail
@@ -85,7 +85,23 @@ done
 for b in "${CNI_BINS[@]}"; do
   if [[ ! -x "${BIN}/cni/$b" ]]; then timed cni || failed+=(cni); break; fi
 done
-command -v runc >/dev/null || log "no runc on PATH: apt-get install runc (the node needs it)"
+# Debian's packages of the commands the node runs (command:package), installed as root when missing.
+apt_tools=(runc:runc iptables:iptables)
+apt_missing=()
+for pair in "${apt_tools[@]}"; do
+  command -v "${pair%%:*}" >/dev/null || apt_missing+=("${pair#*:}")
+done
+if [[ ${#apt_missing[@]} -gt 0 ]]; then
+  if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null; then
+    apt=(apt-get -o DPkg::Lock::Timeout=300)
+    install=("${apt[@]}" install -y -qq --no-install-recommends "${apt_missing[@]}")
+    DEBIAN_FRONTEND=noninteractive "${install[@]}" \
+      || { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${install[@]}"; } || true
+  fi
+  for pair in "${apt_tools[@]}"; do
+    command -v "${pair%%:*}" >/dev/null || { log "no ${pair%%:*}: apt-get install ${pair#*:} (as root)"; failed+=("${pair#*:}"); }
+  done
+fi
 
 total=$(($(date +%s) - start_all))
 if [[ ${#timings[@]} -gt 0 ]]; then

@@ -8,15 +8,22 @@ root/state, the kubelet's root, pod logs, CNI's IPAM, network namespaces) lies u
 unmounted/removed by stop(), which also kills the containers' shims, deletes the bridge, removes the
 cgroups the kubelet made and the HOST_PATHS it had to write outside DIR/node. Binaries come from
 hack/build-node.sh; the pause image from hack/pause_image.py.
+
+One real node per machine at a time: the bridge, the pod CIDR, the ``kubepods`` cgroups and the HOST_PATHS
+are the machine's, so start() takes an exclusive lock on LOCK (flock: released by stop() or when the
+process dies) and waits for it while another run's node holds it (another checkout's `make test`, a CI run
+beside it), up to SERVEDMODEL_REAL_NODE_LOCK_WAIT_S (default 1200 s).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +45,8 @@ _KUBELET_CGROUPS = ("kubepods",)
 HOST_PATHS = (Path("/var/lib/kubelet"), Path("/run/containerd"), Path("/var/lib/cni"))
 CNI_RESULTS = Path("/var/lib/cni/results")
 CNI_NETWORK = "servedmodel-real-node"
+LOCK = Path(os.environ.get("SERVEDMODEL_REAL_NODE_LOCK", "/run/lock/servedmodel-real-node.lock"))
+LOCK_WAIT_S = float(os.environ.get("SERVEDMODEL_REAL_NODE_LOCK_WAIT_S", "1200"))
 
 
 def node_bin_dir() -> Path:
@@ -64,6 +73,8 @@ class RealNode:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # HOST_PATHS that did not exist before start(): removed by stop().
     made: list[Path] = field(default_factory=list)
+    # The machine-wide LOCK, held from start() until stop() has removed everything.
+    lock_fd: int | None = None
 
     @property
     def socket(self) -> Path:
@@ -110,6 +121,9 @@ class RealNode:
             shutil.rmtree(self.cp.log_dir / "node", ignore_errors=True)
             shutil.move(self.dir / "logs", self.cp.log_dir / "node")
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the flock
+            self.lock_fd = None
 
     def _kill_shims(self) -> None:
         # The shims run in their own sessions and outlive containerd; each names our socket in its argv.
@@ -280,20 +294,55 @@ def _kubelet_config(d: Path, port: int, healthz: int) -> dict[str, object]:
     }
 
 
-def start(cp: controlplane.ControlPlane, *, bin_dir: Path | None = None, timeout: float = 180.0) -> RealNode:
-    """Start containerd (the pause image imported) and a kubelet registered as REAL_NODE with ``cp``;
-    return once the Node is Ready. On failure everything started is stopped."""
+def _take_lock(wait_s: float, who: str) -> int:
+    """The machine-wide LOCK (flock, exclusive), waiting up to `wait_s` while another node holds it."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?"
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise controlplane.ControlPlaneError(
+                    f"another real node still runs on this machine after {wait_s:.0f} s ({LOCK} held by "
+                    f"{holder}); one node at a time (SERVEDMODEL_REAL_NODE_LOCK_WAIT_S)"
+                ) from None
+            if not said:
+                sys.stderr.write(f"realnode: waiting for {LOCK} (held by {holder})\n")
+                said = True
+            time.sleep(1.0)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} {who}\n".encode(), 0)
+        return fd
+
+
+def start(
+    cp: controlplane.ControlPlane,
+    *,
+    bin_dir: Path | None = None,
+    timeout: float = 180.0,
+    lock_wait: float | None = None,
+) -> RealNode:
+    """Take the machine's LOCK (waiting up to `lock_wait`, default LOCK_WAIT_S), start containerd (the pause
+    image imported) and a kubelet registered as REAL_NODE with ``cp``; return once the Node is Ready. On
+    failure everything started is stopped and the lock released."""
     bin_dir = bin_dir or node_bin_dir()
     missing = missing_node_binaries(bin_dir)
     if missing:
         raise controlplane.ControlPlaneError(
             f"missing in {bin_dir}: {', '.join(missing)}; build them with `make node` (hack/build-node.sh)"
         )
+    lock_fd = _take_lock(LOCK_WAIT_S if lock_wait is None else lock_wait, str(cp.dir))
     d = cp.dir / "node"
     shutil.rmtree(d, ignore_errors=True)
     (d / "cni" / "net.d").mkdir(parents=True)
     launcher = controlplane._Launcher(d, bin_dir, detach=False)
-    node = RealNode(cp=cp, dir=d, bin_dir=bin_dir, procs=launcher.procs)
+    node = RealNode(cp=cp, dir=d, bin_dir=bin_dir, procs=launcher.procs, lock_fd=lock_fd)
     node.made = [p for p in HOST_PATHS if not p.exists()]
     deadline = time.monotonic() + timeout
     try:

@@ -69,10 +69,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # engines in the `vllm` group, the ones that start engines of their own (`own_engines`) in another.
     # Each group is about half of their time (a vLLM start is 60-70 s in a suite) and at most two engines
     # run at once: more would make each slower than the tests allow.
+    # The `e2e` tests share one real node (tests/e2e/conftest.py), one per machine: all in one worker.
     for item in items:
-        if item.get_closest_marker("vllm") and not item.get_closest_marker("xdist_group"):
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if item.get_closest_marker("vllm"):
             own = item.get_closest_marker("own_engines") is not None
             item.add_marker(pytest.mark.xdist_group("vllm-own-engines" if own else "vllm"))
+        elif item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.xdist_group("e2e"))
     # Locally, skip at collection (no session fixture starts for a test that cannot run). Required, mark
     # nothing: `_cluster_build` fails each `cluster` test with the reason.
     reason = control_plane_missing()

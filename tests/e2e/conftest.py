@@ -1,13 +1,14 @@
 """The real node (hack/realnode.py: containerd, runc, the CNI bridge and a kubelet) beside the session's
-control plane, for tests marked `e2e`. Skipped when its binaries are not built (`make node`).
+control plane, for tests marked `e2e`. Built by `make test`'s node-or-skip (`make node`); when it is not
+built the tests skip naming `make node`, or fail under SERVEDMODEL_REQUIRE_CLUSTER=1 (CI), as they do
+when the node does not start.
 
-Not part of the default run yet (`make test` does not build the node): the `e2e` tests are deselected
-unless SERVEDMODEL_E2E=1 (`make e2e` sets it). They pass here, runs in a row (docs/control-plane.md)."""
+Under pytest-xdist every `e2e` test is in one group (tests/conftest.py), so one worker runs them one after
+another on one node; the node starts with the first of them and stops after the last (not at the end of
+the worker's session), so the rest of that worker's tests do not share the two cores with an idle
+kubelet and containerd. realnode.start() also holds a machine-wide lock: another run's node waits."""
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,14 +16,8 @@ import controlplane
 import realnode
 from required import need
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("SERVEDMODEL_E2E") == "1":
-        return
-    deselected = [i for i in items if i.get_closest_marker("e2e")]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [i for i in items if not i.get_closest_marker("e2e")]
+# The worker's node, started by the first `e2e` test that asks for it.
+_NODE: list[realnode.RealNode] = []
 
 
 def real_node_missing() -> str | None:
@@ -32,11 +27,26 @@ def real_node_missing() -> str | None:
     return f"real node not built ({', '.join(missing)}); run `make node` (hack/build-node.sh)"
 
 
-@pytest.fixture(scope="session")
-def real_node(bare_control_plane: controlplane.ControlPlane) -> Iterator[realnode.RealNode]:
+@pytest.fixture
+def real_node(bare_control_plane: controlplane.ControlPlane) -> realnode.RealNode:
     need(real_node_missing())
-    node = realnode.start(bare_control_plane)
-    try:
-        yield node
-    finally:
-        node.stop()
+    if _NODE and _NODE[0].cp is not bare_control_plane:
+        _stop_node()
+    if not _NODE:
+        _NODE.append(realnode.start(bare_control_plane))
+    return _NODE[0]
+
+
+def _stop_node() -> None:
+    while _NODE:
+        _NODE.pop().stop()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the runner tears down the session's control plane
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or nextitem.get_closest_marker("e2e") is None:
+        _stop_node()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_node()  # an interrupted run

@@ -8,9 +8,8 @@ own Python runs in a chroot of that folder as the image's user: the package impo
 venv, the entrypoint starts, an arbitrary UID in group 0 can write HOME, and the simulator serves
 /health and /v1/models on loopback.
 
-Skipped, naming `make images`, when this checkout's images are not built (they are not in `make test`
-yet); with SERVEDMODEL_REQUIRE_IMAGES=1 that fails instead. Under SERVEDMODEL_REQUIRE_CLUSTER=1 alone
-(CI today, which does not build them) these tests are deselected (tests/ship/conftest.py).
+Skipped, naming `make images`, when this checkout's images are not built (`make test` builds them:
+images-or-skip); under SERVEDMODEL_REQUIRE_CLUSTER=1 (CI) that fails instead (tests/required.py).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import images  # hack/ is on sys.path (tests/conftest.py)
 import oci_archive
 from required import absent
 
-REQUIRE_IMAGES = "SERVEDMODEL_REQUIRE_IMAGES"
 APP_ROOT = "/opt/app-root"
 # What each Containerfile asks for.
 EXPECTED = {
@@ -86,11 +84,18 @@ class Built:
         return ["chroot", f"--userspec={user}", str(self.root), "/usr/bin/env", "-i", *env, *cmd]
 
 
+# Each image's archive as this session first found it: a change to the sources later in the session (a
+# commit beside a running suite) changes the key, and would fail the rest of the module's tests.
+_ARCHIVES: dict[str, Path] = {}
+
+
 def _archive(name: str) -> Path:
-    archive = images.built(name)
-    if archive is None:
-        absent(images_missing(name) or name, env=REQUIRE_IMAGES)
-    return archive
+    if name not in _ARCHIVES:
+        archive = images.built(name)
+        if archive is None:
+            absent(images_missing(name) or name)
+        _ARCHIVES[name] = archive
+    return _ARCHIVES[name]
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
@@ -112,10 +117,7 @@ def _unpack(name: str, done: dict[str, Built], tmp_path_factory: pytest.TempPath
     if name not in done:
         image = oci_archive.read(_archive(name))
         if os.geteuid() != 0 or shutil.which("chroot") is None:
-            absent(
-                "running an image's filesystem needs root and chroot (owners kept on unpack)",
-                env=REQUIRE_IMAGES,
-            )
+            absent("running an image's filesystem needs root and chroot (owners kept on unpack)")
         root = tmp_path_factory.mktemp(f"{name}-rootfs")
         image.unpack(root)
         done[name] = Built(name, image, root)
