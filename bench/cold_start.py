@@ -23,7 +23,7 @@ Method
 Needs `make control-plane keda` (and `make vllm` for --engine vllm).
 
     .venv/bin/python bench/cold_start.py                          # simulator: 10 wakes, 200 warm each way
-    .venv/bin/python bench/cold_start.py --engine vllm --wakes 5 --warm 50
+    .venv/bin/python bench/cold_start.py --engine vllm --warm 50 --budget 2100   # fewer wakes if slow
 """
 
 from __future__ import annotations
@@ -241,6 +241,12 @@ def main() -> int:
     ap.add_argument("--wakes", type=int, default=10)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--interval", type=int, default=5, help="probe interval, s (the minimum)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds for the wakes: none is begun that would likely end past it (0: no limit)",
+    )
     args = ap.parse_args()
     if args.wakes < 1:
         ap.error("--wakes: at least 1 (the warm requests go to the last wake's engine)")
@@ -272,16 +278,25 @@ def main() -> int:
                     with OperatorProcess(cp, NAMESPACE, endpoint_override=f"@{override}", quiet=True):
                         body = served_model(args.engine, args.interval, prom.base_url)
                         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+                        began = time.monotonic()
                         for i in range(args.wakes):
-                            # the last wake's model stays up for the warm requests
-                            got = one_wake(cp, rig, override, vllm, stay_awake=i == args.wakes - 1)
+                            # the last wake's model stays up for the warm requests; on a loaded machine a
+                            # vLLM wake takes minutes, so --budget ends the series early rather than midway
+                            spent = time.monotonic() - began
+                            longest = max(stages.get("total", [0.0]))
+                            last = i == args.wakes - 1 or (
+                                args.budget > 0 and spent + 2 * longest + 60 > args.budget
+                            )
+                            got = one_wake(cp, rig, override, vllm, stay_awake=last)
                             for k, v in got.items():
                                 stages.setdefault(k, []).append(v)
                             print(
-                                f"wake {i + 1}/{args.wakes}: {got['total']:.2f} s "
-                                f"(status wakeSeconds {got['status_wake']:.2f} s)",
+                                f"wake {i + 1}/{args.wakes}: "
+                                + ", ".join(f"{k} {v:.2f} s" for k, v in got.items()),
                                 file=sys.stderr,
                             )
+                            if last:
+                                break
                         direct, via, failed = warm(rig, args.warm)
                 finally:
                     release_scaled_objects(cp, NAMESPACE)
