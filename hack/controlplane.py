@@ -405,17 +405,18 @@ def loopback_serving_cert(certs: Path, ca_name: str, *, server_auth: bool = Fals
              "-out", "tls.crt", "-days", "2", "-extfile", "san.ext", cwd=certs)  # fmt: skip
 
 
-def _make_pki(pki: Path) -> None:
-    """A CA, a serving certificate for 127.0.0.1/localhost, and the service-account signing key.
-    EC P-256 keys: generated in milliseconds, accepted by every component."""
+def _make_pki(pki: Path, address: str = "127.0.0.1") -> None:
+    """A CA, a serving certificate for 127.0.0.1/localhost (and `address`), and the service-account signing
+    key. EC P-256 keys: generated in milliseconds, accepted by every component."""
     pki.mkdir(parents=True)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
              "-subj", "/CN=servedmodel-test-ca", cwd=pki)  # fmt: skip
     _openssl("req", *ec, "-keyout", "apiserver.key", "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver",
              cwd=pki)  # fmt: skip
+    extra = "" if address == "127.0.0.1" else f"IP:{address},"
     (pki / "san.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        f"subjectAltName=IP:127.0.0.1,IP:10.0.0.1,{extra}DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
         "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth\n"
     )
@@ -568,6 +569,7 @@ def start(
     volumes: int = 32,
     apiserver_flags: Sequence[str] = (),
     etcd_flags: Sequence[str] = (),
+    address: str = "127.0.0.1",
 ) -> ControlPlane:
     """Start etcd, kube-apiserver, controller-manager, scheduler and kwok; return once the API server is
     ready, the GPU node is Ready and the `default` ServiceAccount exists. On failure everything started
@@ -578,7 +580,10 @@ def start(
     volumes: how many fake PersistentVolumes (storageClassName "") to pre-create for PVCs.
     apiserver_flags: more kube-apiserver flags (a fault test's `--watch-cache=false`, say).
     etcd_flags: more etcd flags, after the defaults (the last of a repeated flag wins: a bigger
-    `--quota-backend-bytes` for a benchmark of thousands of objects)."""
+    `--quota-backend-bytes` for a benchmark of thousands of objects).
+    address: where kube-apiserver listens and what it advertises (the real node's bridge gateway, so that
+    pods reach it, directly and through the `kubernetes` Service, whose endpoints it then keeps: the lease
+    reconciler; on loopback there are none). Always an address of this machine."""
     attempts = 3
     for attempt in range(1, attempts + 1):
         try:
@@ -590,6 +595,7 @@ def start(
                 volumes=volumes,
                 apiserver_flags=apiserver_flags,
                 etcd_flags=etcd_flags,
+                address=address,
             )
         except _PortTaken as e:
             # A free port found by binding 0 can be taken by another run before the component binds it.
@@ -615,6 +621,7 @@ def _start_once(
     volumes: int,
     apiserver_flags: Sequence[str] = (),
     etcd_flags: Sequence[str] = (),
+    address: str = "127.0.0.1",
 ) -> ControlPlane:
     t0 = time.monotonic()
     bin_dir = bin_dir or default_bin_dir()
@@ -640,7 +647,7 @@ def _start_once(
     launcher = _Launcher(directory, bin_dir, detach)
     etcd_port, etcd_peer, api_port = free_ports(3)
     token = secrets.token_hex(16)
-    server = f"https://127.0.0.1:{api_port}"
+    server = f"https://{address}:{api_port}"
     pki = directory / "pki"
     kubeconfig = directory / "kubeconfig"
     cp = ControlPlane(
@@ -671,7 +678,7 @@ def _start_once(
             "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=1073741824",
             *etcd_flags,
         ])  # fmt: skip
-        _make_pki(pki)  # while etcd starts
+        _make_pki(pki, address)  # while etcd starts
         (pki / "tokens.csv").write_text(f"{token},admin,admin,system:masters\n")
         kubeconfig.write_text(_kubeconfig(server, cp.ca_file, token))
         kubeconfig.chmod(0o600)
@@ -686,7 +693,7 @@ def _start_once(
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--bind-address={address}", f"--advertise-address={address}", f"--secure-port={api_port}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC",
             f"--token-auth-file={pki / 'tokens.csv'}",
@@ -694,7 +701,8 @@ def _start_once(
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--allow-privileged=true",
-            "--endpoint-reconciler-type=none",
+            # The `kubernetes` Service's endpoints: none on loopback (an endpoint may not be 127.0.0.0/8).
+            f"--endpoint-reconciler-type={'none' if address == '127.0.0.1' else 'lease'}",
             # The aggregation layer (APIServices such as prometheus-adapter's custom.metrics.k8s.io).
             f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
             f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",

@@ -1,23 +1,32 @@
-"""The real node (hack/realnode.py: containerd, runc, the CNI bridge and a kubelet) beside the session's
-control plane, for tests marked `e2e`. Built by `make test`'s node-or-skip (`make node`); when it is not
-built the tests skip naming `make node`, or fail under SERVEDMODEL_REQUIRE_CLUSTER=1 (CI), as they do
-when the node does not start.
+"""The e2e tier's cluster: hack/realnode.py's real node (containerd, runc, the CNI bridge, a kubelet and
+kube-proxy) on a control plane of its own whose kube-apiserver listens on the node's bridge gateway
+(realnode.start_cluster), so that pods reach it (in-cluster config through the `kubernetes` Service). For
+tests marked `e2e`: here `bare_control_plane` and `control_plane` are that cluster's, not the worker's.
+Built by `make test`'s node-or-skip (`make node`); when it is not built the tests skip naming `make node`,
+or fail under SERVEDMODEL_REQUIRE_CLUSTER=1 (CI), as they do when the node does not start.
 
 Under pytest-xdist every `e2e` test is in one group (tests/conftest.py), so one worker runs them one after
-another on one node; the node starts with the first of them and stops after the last (not at the end of
-the worker's session), so the rest of that worker's tests do not share the two cores with an idle
-kubelet and containerd. realnode.start() also holds a machine-wide lock: another run's node waits."""
+another on one cluster; it starts with the first of them and stops after the last (not at the end of the
+worker's session), so the rest of that worker's tests do not share the two cores with it.
+realnode.start_cluster() also holds a machine-wide lock: another run's node waits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+import yaml
 
 import controlplane
 import realnode
 from required import need
 
-# The worker's node, started by the first `e2e` test that asks for it.
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+# The worker's cluster, started by the first `e2e` test that asks for it, and the failures before it.
 _NODE: list[realnode.RealNode] = []
+_FAILED_BEFORE: list[int] = []
+_CRDS_IN: set[int] = set()
 
 
 def real_node_missing() -> str | None:
@@ -28,25 +37,51 @@ def real_node_missing() -> str | None:
 
 
 @pytest.fixture
-def real_node(bare_control_plane: controlplane.ControlPlane) -> realnode.RealNode:
+def real_node(request: pytest.FixtureRequest) -> realnode.RealNode:
     need(real_node_missing())
-    if _NODE and _NODE[0].cp is not bare_control_plane:
-        _stop_node()
     if not _NODE:
-        _NODE.append(realnode.start(bare_control_plane))
+        _FAILED_BEFORE[:] = [request.session.testsfailed]
+        _NODE.append(realnode.start_cluster())
     return _NODE[0]
 
 
-def _stop_node() -> None:
+@pytest.fixture
+def bare_control_plane(real_node: realnode.RealNode) -> controlplane.ControlPlane:
+    """The e2e cluster's control plane (kube-apiserver on realnode.GATEWAY)."""
+    return real_node.cp
+
+
+@pytest.fixture
+def control_plane(bare_control_plane: controlplane.ControlPlane) -> controlplane.ControlPlane:
+    """The same with every crds/*.yaml installed and Established (once per cluster)."""
+    cp = bare_control_plane
+    if id(cp) not in _CRDS_IN:
+        crds = sorted(p for p in CRD_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+        cp.kubectl("apply", "--server-side", "--force-conflicts", *[a for p in crds for a in ("-f", str(p))])
+        for path in crds:
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc and doc.get("kind") == "CustomResourceDefinition":
+                    cp.wait_established(doc["metadata"]["name"])
+        _CRDS_IN.add(id(cp))
+    return cp
+
+
+def _stop_node(session: pytest.Session) -> None:
     while _NODE:
-        _NODE.pop().stop()
+        node = _NODE.pop()
+        node.keep_logs = bool(_FAILED_BEFORE) and session.testsfailed > _FAILED_BEFORE[0]
+        _CRDS_IN.discard(id(node.cp))
+        node.stop()
+        if node.keep_logs:
+            print(f"\ne2e cluster logs kept in {node.cp.log_dir}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before the runner tears down the session's control plane
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the test's fixtures first (its namespace is deleted while the API server still listens)
     if nextitem is None or nextitem.get_closest_marker("e2e") is None:
-        _stop_node()
+        _stop_node(item.session)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    _stop_node()  # an interrupted run
+    _stop_node(session)  # an interrupted run

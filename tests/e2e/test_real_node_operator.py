@@ -2,12 +2,16 @@
 simulator image built by hack/images.py from images/simulator/Containerfile) whose engine pod lands on
 realnode.REAL_NODE. The kubelet runs the container and its /health probes; the operator, a real
 `servedmodel run` on this machine with no endpoint override, probes the pod at its pod IP over the CNI
-bridge and sets the gate condition; only then does the kubelet report the pod Ready.
+bridge and sets the gate condition; only then does the kubelet report the pod Ready. Then a client pod
+on the node reaches the ServedModel's Service by its ClusterIP, and the API server through the
+`kubernetes` Service, both through kube-proxy's rules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_real_node import wait_pod
+from test_real_node import delete_and_wait, wait_pod
 
 import controlplane
 import images
@@ -111,6 +115,81 @@ def served_model(name: str) -> dict[str, Any]:
     }
 
 
+# A client in a pod on the node: python from the simulator image, as restricted Pod Security asks.
+CLIENT = """
+import json, os, ssl, sys, time, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+api = os.environ["KUBERNETES_SERVICE_HOST"] + ":" + os.environ["KUBERNETES_SERVICE_PORT"]
+out, deadline = {"kubernetes": api}, time.monotonic() + 60
+while True:
+    try:
+        with urllib.request.urlopen("http://" + sys.argv[1] + "/v1/models", timeout=5) as r:
+            out["models"] = [m["id"] for m in json.load(r)["data"]]
+        req = urllib.request.Request(
+            "https://" + api + "/version", headers={"Authorization": "Bearer " + open(sa + "/token").read()}
+        )
+        ctx = ssl.create_default_context(cafile=sa + "/ca.crt")
+        with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+            out["version"] = json.load(r)["gitVersion"]
+        break
+    except OSError as e:
+        out["error"] = repr(e)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1)
+open("/dev/termination-log", "w").write(json.dumps(out))
+sys.exit(0 if "version" in out else 1)
+"""
+
+
+def client_pod(name: str, image: str, target: str) -> dict[str, Any]:
+    """A pod that GETs http://<target>/v1/models and the API server's /version through the `kubernetes`
+    Service (its ServiceAccount's token and CA), writing what it got as its termination message."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {realnode.REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": realnode.REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", CLIENT, target],
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def run_client(cp: controlplane.ControlPlane, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """Run a client pod to its end; what it wrote as its termination message (and its exit code)."""
+    name = pod["metadata"]["name"]
+    cp.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+    done = wait_pod(
+        cp,
+        namespace,
+        name,
+        "finished",
+        lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        timeout=WAIT_S,
+    )
+    terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    out: dict[str, Any] = json.loads(terminated.get("message") or "{}")
+    out["exitCode"] = terminated["exitCode"]
+    delete_and_wait(cp, namespace, name)
+    return out
+
+
 def test_operator_gate_opens_a_real_engine_pod(
     control_plane: controlplane.ControlPlane,
     real_node: realnode.RealNode,
@@ -175,6 +254,19 @@ def test_operator_gate_opens_a_real_engine_pod(
     assert _condition((served.get("status") or {}).get("conditions"), SERVING) == "True", operator_log()
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/health", timeout=5) as r:
         assert r.status == 200
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/v1/models", timeout=5) as r:
+        models = [m["id"] for m in json.load(r)["data"]]
+
+    # kube-proxy: a pod on the node reaches the engine by its Service's ClusterIP, and the API server by the
+    # `kubernetes` Service (its endpoint kube-apiserver's address on the bridge), with its ServiceAccount.
+    service = cp.get_json("service", "qwen-engine", "-n", namespace)
+    cluster_ip = service["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network(controlplane.SERVICE_CIDR)
+    got = run_client(cp, namespace, client_pod("client", ref, f"{cluster_ip}:8000"))
+    assert got["exitCode"] == 0, got
+    assert got["models"] == models, got
+    assert got["kubernetes"] == "10.0.0.1:443", got
+    assert got["version"] == controlplane.versions()["K8S_VERSION"], got
 
     cp.kubectl("delete", "-n", namespace, "servedmodel", "qwen", "--wait=false")
     # The Deployment goes with its owner (garbage collection), then the pod: the kubelet tears it down.
