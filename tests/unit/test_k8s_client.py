@@ -31,6 +31,7 @@ from servedmodel.k8s import (
     UnreachableError,
     load_identity,
 )
+from servedmodel.k8s.cache import slim
 from servedmodel.k8s.identity import from_config
 
 
@@ -485,3 +486,28 @@ async def test_list_at_retries_a_5xx_and_pages_to_the_lists_resource_version(
     ]
     assert [s.query.get("continue") for s in api.seen] == [None, None, "p2"]
     assert all(s.query["labelSelector"] == "k=v" for s in api.seen)
+
+
+async def test_list_at_keeps_what_each_item_becomes_page_by_page(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    """The informers slim every item as its page arrives: a list of thousands of objects is never held
+    whole (managedFields and all) until its last page."""
+    path = "/apis/apps/v1/namespaces/a/deployments"
+    managed = {"name": "x", "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]}
+    api.on(
+        "GET",
+        path,
+        (200, {"metadata": {"continue": "p2", "resourceVersion": "7"}, "items": [{"metadata": managed}]}),
+        (200, {"metadata": {"resourceVersion": "7"}, "items": [{"metadata": {**managed, "name": "y"}}]}),
+    )
+    seen: list[str] = []
+
+    def each(item: dict[str, Any]) -> dict[str, Any]:
+        seen.append(f"{item['metadata']['name']} after {len(api.seen)} pages")
+        return slim(item, item["kind"])
+
+    async with client_for() as client:
+        items, _ = await client.list_at("apps/v1", "deployments", "a", each=each)
+    assert seen == ["x after 1 pages", "y after 2 pages"]
+    assert [i["metadata"] for i in items] == [{"name": "x"}, {"name": "y"}]

@@ -26,6 +26,7 @@ comparison is in docs/architecture.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -35,7 +36,7 @@ from typing import Any, Final
 
 from servedmodel.api.base import Obj
 
-from .cache import Cache
+from .cache import Cache, slim
 from .client import ApiError, GoneError, KubeClient
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,11 @@ class Informer:
     async def _list(self) -> None:
         w = self.watched
         items, rv = await self.client.list_at(
-            w.api_version, w.plural, self.namespace, label_selector=w.label_selector
+            w.api_version,
+            w.plural,
+            self.namespace,
+            label_selector=w.label_selector,
+            each=functools.partial(slim, kind=w.kind),  # page by page, not the whole list at once
         )
         if self.namespace_filter is not None:
             keep = self.namespace_filter
