@@ -29,6 +29,17 @@ _FAILED_BEFORE: list[int] = []
 _CRDS_IN: set[int] = set()
 
 
+# An e2e test's own limit (pyproject's timeout is 300 s): the first one starts the cluster, waiting for the
+# machine's lock while another run's node holds it (realnode.LOCK_WAIT_S), and one may import an image.
+E2E_TIMEOUT_S = realnode.LOCK_WAIT_S + 600
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
+
 def real_node_missing() -> str | None:
     missing = realnode.missing_node_binaries()
     if not missing:

@@ -1,7 +1,9 @@
 """The README's install, for real: the operator from its own image and manifests, as pods on the real
 node. `kubectl apply --server-side -k` of a kustomization that takes manifests/overlays/kubernetes as it
 is and only sets the image to the locally built localhost/servedmodel/operator:dev (`images:`) and adds
-the real node's selector and toleration (kwok's fake node runs no process; the real one is tainted). Both
+the real node's selector and toleration (kwok's fake node runs no process; the real one is tainted) and an
+arbitrary UID, as OpenShift's restricted-v2 assigns one (the engine gets another: spec.engine.runAsUser);
+both images run as it with GID 0. Both
 replicas run, one leading on the Lease. The namespace is the base's servedmodel-system, labelled Pod
 Security `restricted` (enforce): the API server admits the operator's pods only if they comply. They run
 as their own ServiceAccount with its real RBAC and in-cluster config (the `kubernetes` Service, through
@@ -31,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "manifests" / "overlays" / "kubernetes"
 OPERATOR_NS = "servedmodel-system"
 OPERATOR_SELECTOR = "app.kubernetes.io/name=servedmodel-operator"
+# Arbitrary UIDs, as OpenShift assigns them (in no /etc/passwd; the primary group is then 0).
+OPERATOR_UID = 1000650000
+ENGINE_UID = 1000650001
 WAIT_S = 240.0
 
 
@@ -44,6 +49,8 @@ def kustomization(tmp: Path) -> Path:
     patch = [
         {"op": "add", "path": "/spec/template/spec/nodeSelector", "value": selector},
         {"op": "add", "path": "/spec/template/spec/tolerations", "value": [toleration]},
+        # What OpenShift's restricted-v2 does: a UID from the namespace's range, the image's group 0.
+        {"op": "add", "path": "/spec/template/spec/securityContext/runAsUser", "value": OPERATOR_UID},
     ]
     (tmp / "kustomization.yaml").write_text(
         yaml.safe_dump(
@@ -139,7 +146,9 @@ def test_the_operator_runs_from_its_image_and_manifests(
 
     # A ServedModel it reconciles: namespace labelled restricted too, the engine on the real node.
     cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(served_model("qwen")))
+    model = served_model("qwen")
+    model["spec"]["engine"]["runAsUser"] = ENGINE_UID
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(model))
     deadline = time.monotonic() + WAIT_S
     row: dict[str, str] = {}
     while time.monotonic() < deadline:
@@ -156,6 +165,23 @@ def test_the_operator_runs_from_its_image_and_manifests(
     assert float(row["TPOT"]) > 0
     served = cp.get_json("servedmodel", "qwen", "-n", namespace)
     assert served["status"]["probe"]["client"]["ttftMs"] > 0
+    # The processes on the host: the arbitrary UIDs, group 0 (the images' group-0 layout is what lets them
+    # run), as the operator and as the engine.
+    engine = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=qwen")["items"][0]
+    assert process_ids(real_node, engine) == (ENGINE_UID, 0)
+    for pod in installed.values():
+        assert process_ids(real_node, pod) == (OPERATOR_UID, 0)
+
+
+def process_ids(node: realnode.RealNode, pod: dict[str, Any]) -> tuple[int, int]:
+    """The (uid, gid) of a pod's first container's process, read from /proc on the host."""
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    tasks = node.ctr("tasks", "ls").stdout.splitlines()[1:]
+    pid = next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return int(status["Uid"].split()[0]), int(status["Gid"].split()[0])
 
 
 def sm_row(cp: controlplane.ControlPlane, namespace: str, name: str) -> dict[str, str]:

@@ -278,3 +278,47 @@ def test_operator_gate_opens_a_real_engine_pod(
 
 def _pods_left(cp: controlplane.ControlPlane, namespace: str) -> bool:
     return bool(cp.get_json("pods", "-n", namespace)["items"])
+
+
+def _degraded_reason(cp: controlplane.ControlPlane, namespace: str, name: str) -> str | None:
+    status = cp.get_json("servedmodel", name, "-n", namespace).get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Degraded" and c.get("status") == "True":
+            return str(c.get("reason"))
+    return None
+
+
+def test_kubelet_failures_surface_as_reasons(
+    control_plane: controlplane.ControlPlane,
+    real_node: realnode.RealNode,
+    namespace: str,
+    operator_log: Callable[[], str],
+) -> None:
+    """What a real kubelet reports, in the ServedModel's status: an image that does not exist (the pull
+    from `localhost`, on this machine, is refused: ErrImagePull, then ImagePullBackOff) and an engine that
+    exits at start (an argument the simulator refuses, exit 2: restarted until CrashLoopBackOff)."""
+    cp = control_plane
+    archive, _ = images.ensure("simulator")
+    real_node.ctr("images", "import", "--all-platforms", str(archive))
+    missing = served_model("nopull")
+    missing["spec"]["engine"]["image"] = "localhost/servedmodel/does-not-exist:dev"
+    crashing = served_model("crash")
+    crashing["spec"]["engine"]["extraArgs"] = ["--no-such-flag"]
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all([missing, crashing]))
+    want = {"nopull": "ImagePullBackOff", "crash": "CrashLoopBackOff"}
+    seen: dict[str, str | None] = {}
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        seen = {name: _degraded_reason(cp, namespace, name) for name in want}
+        if seen == want:
+            break
+        time.sleep(1)
+    assert seen == want, f"{seen}\n{cp.kubectl('get', 'pods', '-n', namespace, '-o', 'wide').stdout}"
+    crash = cp.get_json("servedmodel", "crash", "-n", namespace)["status"]
+    message = next(c["message"] for c in crash["conditions"] if c["type"] == "Degraded")
+    assert "exit code 2" in message, message
+    cp.kubectl("delete", "-n", namespace, "servedmodel", "nopull", "crash", "--wait=false")
+    deadline = time.monotonic() + 60
+    while _pods_left(cp, namespace):
+        assert time.monotonic() < deadline, "the engine pods outlived their ServedModels by 60 s"
+        time.sleep(0.5)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+from collections.abc import MutableMapping
 
 import kopf
 
@@ -39,7 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
 
 
+def name_this_process(environ: MutableMapping[str, str]) -> None:
+    """kopf names the process by POD_ID, else by getpass.getuser(), which raises for a UID that has no
+    /etc/passwd entry, the arbitrary UID OpenShift's restricted-v2 assigns (KeyError: 'getpwuid(): uid not
+    found': the operator's pod exited 1 at start, CrashLoopBackOff). The pod's name (the Deployment's
+    downward API POD_NAME), else host and pid: kopf's peering is off (standalone), the name only labels."""
+    if not environ.get("POD_ID"):
+        environ["POD_ID"] = environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
 def main(args: argparse.Namespace) -> int:
+    name_this_process(os.environ)
     config = OperatorConfig()
     namespaces: list[str] = [] if args.all_namespaces else (args.namespaces or config.namespaces)
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
