@@ -127,11 +127,33 @@ def locked(name: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def drop_stale(prefix: str, keep: Path) -> None:
-    """Remove the cache's earlier builds (`prefix`*.oci.tar other than `keep`): they are never used again."""
+# An earlier build is kept while it may still be in use: another checkout on this machine (a second clone,
+# a CI run beside an edit) tests the archive its session first found, and dropping it at once failed that
+# run's built-image tests midway. Every use marks the archive (used()); past this age unused, it goes.
+STALE_AFTER_S = 3 * 3600.0
+
+
+def used(archive: Path) -> None:
+    """Mark `archive` as in use now (its mtime), so that drop_stale keeps it a while longer."""
+    try:
+        os.utime(archive)
+    except OSError:  # read-only cache, or removed meanwhile: only the keeping is lost
+        pass
+
+
+def drop_stale(prefix: str, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the cache's earlier builds (`prefix`*.oci.tar other than `keep`) unused for STALE_AFTER_S."""
+    now = time.time() if now is None else now
+    dropped = []
     for old in cache_dir().glob(f"{prefix}*.oci.tar"):
-        if old != keep:
+        try:
+            stale = old != keep and now - old.stat().st_mtime > STALE_AFTER_S
+        except FileNotFoundError:
+            continue
+        if stale:
             old.unlink(missing_ok=True)
+            dropped.append(old)
+    return dropped
 
 
 def _architecture() -> str:
@@ -210,6 +232,7 @@ def ensure() -> tuple[Path, str]:
     """(archive, reference) of the base image, built when this recipe's archive is not cached."""
     archive = archive_path()
     if archive.exists():
+        used(archive)
         return archive, reference()
     with locked("base"):
         if not archive.exists():

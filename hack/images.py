@@ -102,7 +102,10 @@ def archive_path(name: str) -> Path:
 def built(name: str) -> Path | None:
     """The image's archive when it is cached for this checkout; None when it would have to be built."""
     archive = archive_path(name)
-    return archive if archive.exists() else None
+    if not archive.exists():
+        return None
+    base_image.used(archive)
+    return archive
 
 
 def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
@@ -166,6 +169,7 @@ def ensure(name: str) -> tuple[Path, str]:
         raise ValueError(f"unknown image {name!r}: one of {', '.join(IMAGES)}")
     archive = archive_path(name)
     if archive.exists():
+        base_image.used(archive)
         return archive, reference(name)
     with base_image.locked(name):
         if not archive.exists():

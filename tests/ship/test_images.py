@@ -286,3 +286,24 @@ def test_parse_reads_copy_run_and_user() -> None:
 def test_only_the_simulator_image_asks_for_the_sim_extra() -> None:
     assert requested_extras(parse(ROOT / "images" / "operator" / "Containerfile")) == ()
     assert requested_extras(parse(ROOT / "images" / "simulator" / "Containerfile")) == ("sim",)
+
+
+def test_an_earlier_build_is_kept_while_another_checkout_may_use_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build drops the earlier archives only once unused for a while: a fresh-clone CI run beside an
+    edit lost its images midway when the edit's build dropped them at once (9 built-image tests failed)."""
+    import base_image
+
+    monkeypatch.setenv("SERVEDMODEL_CACHE", str(tmp_path))
+    folder = base_image.cache_dir()
+    folder.mkdir(parents=True)
+    new, in_use, old = (folder / f"operator-{k}.oci.tar" for k in ("new", "inuse", "old"))
+    for archive in (new, in_use, old):
+        archive.write_bytes(b"")
+    now = 1_000_000.0
+    os.utime(old, (now - base_image.STALE_AFTER_S - 60, now - base_image.STALE_AFTER_S - 60))
+    os.utime(in_use, (now - base_image.STALE_AFTER_S - 60, now - base_image.STALE_AFTER_S - 60))
+    base_image.used(in_use)  # the other checkout's session reads it (images.built / ensure mark it)
+    assert base_image.drop_stale("operator-", new, now=now + 1) == [old]
+    assert sorted(p.name for p in folder.iterdir()) == ["operator-inuse.oci.tar", "operator-new.oci.tar"]
