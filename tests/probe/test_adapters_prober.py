@@ -123,14 +123,30 @@ def test_adapters_loaded_probed_broken_unloaded_and_reloaded(
             assert cluster.condition("Serving")["status"] == "True"
 
             # a second cycle loads nothing again (they are listed) and probes them again, lightly: the
-            # adapters' timed chats alone (their full paths' /tokenize is not sent again), as the base's
+            # adapters' timed chats alone (their full paths' /tokenize is not sent again), as the base's.
+            # A pod where the first cycle failed a check (its base's or an adapter's) walks the full path
+            # again, rightly: on a loaded machine the simulator's stream can come in lumps (the
+            # streaming check fails). Which did is what the path memos learned (none learns on a Fail).
+            model = sched._models[("ns", "qwen")]
+            clean = {
+                pod: model.paths[pod].light
+                and all(model.adapter_paths[f"{pod}/{a}"].light for a in ("sql", "poet"))
+                for pod in PODS
+            }
+            # (all three failing would leave nothing light to see; and it would be what a broken memo
+            # does, so that fails)
+            assert any(clean.values()), "no pod's first cycle was learned from"
             before = [await asyncio.to_thread(answered, s, "/tokenize") for s in sims]
             chats = [await asyncio.to_thread(answered, s, "/v1/chat/completions") for s in sims]
             await sched.run_cycle(("ns", "qwen"))
             assert [await asyncio.to_thread(loads, s) for s in sims] == [2.0, 2.0, 2.0]
-            assert [await asyncio.to_thread(answered, s, "/tokenize") for s in sims] == before
+            tokenized = [await asyncio.to_thread(answered, s, "/tokenize") for s in sims]
             after = [await asyncio.to_thread(answered, s, "/v1/chat/completions") for s in sims]
-            assert [a - b for a, b in zip(after, chats, strict=True)] == [3.0, 3.0, 3.0]  # base, sql, poet
+            for name, b, t, c, a in zip(PODS, before, tokenized, chats, after, strict=True):
+                if clean[name]:
+                    assert (t - b, a - c) == (0.0, 3.0), name  # no /tokenize; base, sql, poet
+                else:
+                    assert t > b, name
             assert all(a["serving"] == "True" for a in adapters_of(cluster).values())
 
             # 2. a rank over the engine's --max-lora-rank and a path with no adapter: each named, with the
