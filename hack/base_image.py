@@ -21,6 +21,7 @@ Usage: python hack/base_image.py  (prints the archive's path and the image refer
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -135,10 +136,8 @@ STALE_AFTER_S = 3 * 3600.0
 
 def used(archive: Path) -> None:
     """Mark `archive` as in use now (its mtime), so that drop_stale keeps it a while longer."""
-    try:
+    with contextlib.suppress(OSError):  # read-only cache, or removed meanwhile: only the keeping is lost
         os.utime(archive)
-    except OSError:  # read-only cache, or removed meanwhile: only the keeping is lost
-        pass
 
 
 def drop_stale(prefix: str, keep: Path, now: float | None = None) -> list[Path]:
