@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import subprocess
@@ -251,7 +252,8 @@ def count(cp: controlplane.ControlPlane, what: str) -> int:
     return len(out.split())
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, str]]:
+def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, float]]:
+    """The table's rows, and the headline figures (bench/scoreboard.py reads them from --json)."""
     n = args.n
     with contextlib.ExitStack() as stack:
         cp = stack.enter_context(controlplane.running(etcd_flags=[f"--quota-backend-bytes={ETCD_QUOTA}"]))
@@ -375,6 +377,19 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             return "—"
         return f"{pct(values, 50):.1f} / {pct(values, 95):.1f} / {values[-1]:.1f}"
 
+    figures = {
+        "models": n,
+        "ready": len(ready_s),
+        "probed": len(first_probe_s),
+        "all_ready_s": t_settled - t_apply,
+        "rss_start_mb": rss_start,
+        "rss_max_mb": proc.max_rss_mb,
+        "rss_idle_mb": rss_idle,
+        "idle_s": args.idle,
+        "idle_reconciler_writes": delta(busy, idle, writes),
+        "idle_probe_writes": delta(busy, idle, probe_writes),
+        "operator_cpu_until_ready_s": cpu_busy - cpu_start,
+    }
     return [
         ("ServedModels created / Ready / probed", f"{n} / {len(ready_s)} / {len(probe_s)}"),
         ("create all (16 parallel POSTs), s", f"{t_created - t_apply:.1f}"),
@@ -430,7 +445,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             ),
         ),
         ("load average at the end (1 / 5 / 15 min)", " / ".join(f"{x:.1f}" for x in os.getloadavg())),
-    ]
+    ], figures
 
 
 def main() -> int:
@@ -455,8 +470,12 @@ def main() -> int:
     parser.add_argument(
         "--profile-s", type=float, default=60.0, help="seconds to profile from the first create"
     )
+    parser.add_argument("--json", type=Path, default=None, help="write the headline figures here too")
     args = parser.parse_args()
-    print_rows(run(args), markdown=args.markdown, title=f"N = {args.n}")
+    rows, figures = run(args)
+    print_rows(rows, markdown=args.markdown, title=f"N = {args.n}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -17,10 +17,12 @@ SIGTERM (their member Leases are deleted).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from bench_support import OperatorProcess, controlplane, prepare, scrape, total
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="probe cycles at once per replica")
     parser.add_argument("--warmup", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=60.0)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
     demand = args.n / args.interval
     sim_args = [MODEL, "--served-model-name", "qwen", "--max-model-len", "4096", "--sim-step-base-ms", "20"]
@@ -117,6 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for replicas, rate, share, late, scheduled in rows:
         print(f"| {replicas} | {rate:.2f} | {share:.0%} | {late:.0%} | {' / '.join(map(str, scheduled))} |")
+    if args.json is not None:
+        figures = {
+            "models": args.n,
+            "interval_s": args.interval,
+            "demand_per_s": demand,
+            "replicas": [
+                {"replicas": r, "cycles_per_s": rate, "of_demand": share, "late": late, "shares": scheduled}
+                for r, rate, share, late, scheduled in rows
+            ],
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 
