@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=120.0, help="measured window, s")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
+    if args.window < max(args.interval, args.single_interval):
+        parser.error("--window must hold a whole --interval: every model is probed once in it")
     fleets = []
     for n in (int(s) for s in args.sizes.split(",")):
         interval = args.single_interval if n == 1 else args.interval

@@ -143,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short windows (a check that it runs)")
     parser.add_argument("--ten-thousand", action="store_true", help="also 10,000 ServedModels (an hour+)")
     args = parser.parse_args(argv)
-    window, settle = ("30", "10") if args.quick else ("120", "60")
+    # quick: every 10 s, so that a short window still holds each model's cycles
+    window, settle, interval = ("30", "10", "10") if args.quick else ("120", "60", "60")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="scoreboard-") as tmp:
         out = Path(tmp)
         rows = floor_rows(bench("operator_floor.py", ["-n", str(args.n)], out / "floor.json"))
         fleet = bench(
             "probe_fleet.py",
-            ["--sizes", f"1,{args.n}", "--window", window, "--settle", settle],
+            ["--sizes", f"1,{args.n}", "--window", window, "--settle", settle, "--interval", interval],
             out / "fleet.json",
         )
         rows += fleet_rows(fleet)
