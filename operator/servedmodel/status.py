@@ -3,7 +3,8 @@
 Input: the engine Deployment and its Pods (as the API returns them), the Route if exposed, and the
 status as it is now. Output: the reconciler's status fragment — phase, observedGeneration, replicas,
 readyReplicas, ready ("1/1": ready/desired, the `Ready` printer column), endpoint, routeUrl,
-servedModelName, selector (the scale subresource's label selector) and the conditions Ready /
+servedModelName, selector (the scale subresource's label selector), restarts (the engine pods' container
+restarts) and the conditions Ready /
 Progressing / Degraded (always) and InvalidSpec (only while the spec cannot be served) — plus the Events
 its transitions deserve. Nothing here does I/O, reads a clock or imports kopf: the reconciler passes
 `now` in.
@@ -18,7 +19,8 @@ under <base>/v1; /health, /metrics and /tokenize under <base>). endpoint: in-clu
 `https://<host>` (http when the Route has no TLS) once the Route has a host.
 
 Reasons come from the children: Pods (Unschedulable, ErrImagePull, ImagePullBackOff, CrashLoopBackOff,
-OOMKilled, CreateContainerConfigError, …, and while starting ContainerCreating / ContainersNotReady)
+OOMKilled, CreateContainerConfigError, …; ContainerRestarted while a container the kubelet restarted is
+not ready again; while starting ContainerCreating / ContainersNotReady)
 and the Deployment (ProgressDeadlineExceeded, MinimumReplicasUnavailable, FailedCreate,
 NewReplicaSetAvailable, ReplicaSetUpdated). Operator's own: InvalidSpec, ApplyFailed, ExternalEndpoint,
 ScaledToZero, DeploymentMissing. From the probe: while its Serving condition is False, a Ready
@@ -42,6 +44,7 @@ RECONCILER_FIELDS: Final = (
     "replicas",
     "readyReplicas",
     "ready",
+    "restarts",
     "endpoint",
     "routeUrl",
     "servedModelName",
@@ -63,6 +66,9 @@ FAILURE_WAITING_REASONS: Final = (
     "CrashLoopBackOff",
     "Unschedulable",
     "Evicted",
+    # Not a kubelet reason: a container the kubelet restarted (its process exited or was killed) that is
+    # running again but not ready yet; the last exit in the message. Gone once it is ready again.
+    "ContainerRestarted",
 )
 _RANK: Final = {reason: i for i, reason in enumerate(FAILURE_WAITING_REASONS)}
 
@@ -151,6 +157,18 @@ def pod_problem(pod: Obj) -> Problem | None:
         elif reason in _RANK:
             message = waiting.get("message") or reason
             failures.append(Problem(reason, f"pod {name}: container {cname}: {message}"))
+    for cs in _containers(pod):
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        if "running" in (cs.get("state") or {}) and not cs.get("ready") and last:
+            detail = f"exit code {last['exitCode']}" if "exitCode" in last else "no exit code"
+            restarts = int(cs.get("restartCount") or 0)
+            failures.append(
+                Problem(
+                    "ContainerRestarted",
+                    f"pod {name}: container {cs.get('name', '?')} restarted (restart {restarts}, "
+                    f"last exit {last.get('reason') or 'Error'}, {detail}), not ready yet",
+                )
+            )
     scheduled = conditions.find(status.get("conditions"), "PodScheduled")
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         failures.append(
@@ -447,10 +465,22 @@ def _degraded_by_probe(phase: Phase, conds: _Conditions, serving: Mapping[str, A
     return "Degraded"
 
 
+def engine_restarts(pods: Sequence[Obj]) -> int:
+    """The kubelet's restarts of the containers of the live engine pods (kubectl get pods' RESTARTS,
+    summed): a pod replaced by a rollout starts again from 0."""
+    return sum(
+        int(cs.get("restartCount") or 0)
+        for pod in pods
+        if not (pod.get("metadata") or {}).get("deletionTimestamp")
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+
+
 def _replica_fields(name: str, observed: Observed) -> dict[str, Any]:
     counts = _replica_counts(observed.deployment)
     return {
         "replicas": counts["replicas"],
+        "restarts": engine_restarts(observed.pods),
         "readyReplicas": counts["ready"],
         "ready": f"{counts['ready']}/{counts['desired']}",
         "selector": names.selector_string(name),

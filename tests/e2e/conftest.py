@@ -12,7 +12,15 @@ realnode.start_cluster() also holds a machine-wide lock: another run's node wait
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +30,8 @@ import controlplane
 import realnode
 from required import need
 
-CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+ROOT = Path(__file__).resolve().parents[2]
+CRD_DIR = ROOT / "crds"
 # The worker's cluster, started by the first `e2e` test that asks for it, and the failures before it.
 _NODE: list[realnode.RealNode] = []
 _FAILED_BEFORE: list[int] = []
@@ -75,6 +84,60 @@ def control_plane(bare_control_plane: controlplane.ControlPlane) -> controlplane
                     cp.wait_established(doc["metadata"]["name"])
         _CRDS_IN.add(id(cp))
     return cp
+
+
+@pytest.fixture
+def operator_log(
+    control_plane: controlplane.ControlPlane, namespace: str, tmp_path: Path
+) -> Iterator[Callable[[], str]]:
+    """`servedmodel run` for the test's namespace, allowed to reach the real node's pod CIDR, with no
+    SERVEDMODEL_ENDPOINT_OVERRIDE: the probe goes to each engine pod's own IP. Stopped by its pid."""
+    health, metrics = controlplane.free_ports(2)
+    log_path = tmp_path / "operator.log"
+    env = {k: v for k, v in os.environ.items() if k != "SERVEDMODEL_ENDPOINT_OVERRIDE"}
+    env |= {
+        "KUBECONFIG": str(control_plane.kubeconfig),
+        "SERVEDMODEL_HEALTH_PORT": str(health),
+        "SERVEDMODEL_METRICS_PORT": str(metrics),
+        "SERVEDMODEL_ALLOWED_TARGETS": realnode.POD_CIDR,
+        "SERVEDMODEL_METRICS_AUTH": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [sys.executable, "-m", "servedmodel.cli", "run", "--bind-address", "127.0.0.1"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*args, "--namespace", namespace],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def read_log() -> str:
+        return log_path.read_text(errors="replace")[-20000:] if log_path.exists() else "(no log)"
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"operator exited with {proc.returncode}:\n{read_log()}"
+            assert time.monotonic() < deadline, f"operator not healthy after 90 s:\n{read_log()}"
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+                urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    break
+            time.sleep(0.2)
+        yield read_log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
 
 
 def _stop_node(session: pytest.Session) -> None:

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -43,60 +42,6 @@ def _condition(conds: list[dict[str, Any]] | None, kind: str) -> str | None:
         if c.get("type") == kind:
             return str(c.get("status"))
     return None
-
-
-@pytest.fixture
-def operator_log(
-    control_plane: controlplane.ControlPlane, namespace: str, tmp_path: Path
-) -> Iterator[Callable[[], str]]:
-    """`servedmodel run` for the test's namespace, allowed to reach the real node's pod CIDR, with no
-    SERVEDMODEL_ENDPOINT_OVERRIDE: the probe goes to each engine pod's own IP. Stopped by its pid."""
-    health, metrics = controlplane.free_ports(2)
-    log_path = tmp_path / "operator.log"
-    env = {k: v for k, v in os.environ.items() if k != "SERVEDMODEL_ENDPOINT_OVERRIDE"}
-    env |= {
-        "KUBECONFIG": str(control_plane.kubeconfig),
-        "SERVEDMODEL_HEALTH_PORT": str(health),
-        "SERVEDMODEL_METRICS_PORT": str(metrics),
-        "SERVEDMODEL_ALLOWED_TARGETS": realnode.POD_CIDR,
-        "SERVEDMODEL_METRICS_AUTH": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    args = [sys.executable, "-m", "servedmodel.cli", "run", "--bind-address", "127.0.0.1"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [*args, "--namespace", namespace],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def read_log() -> str:
-        return log_path.read_text(errors="replace")[-20000:] if log_path.exists() else "(no log)"
-
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"operator exited with {proc.returncode}:\n{read_log()}"
-            assert time.monotonic() < deadline, f"operator not healthy after 90 s:\n{read_log()}"
-            with (
-                contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-                urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
-            time.sleep(0.2)
-        yield read_log
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
 
 
 def served_model(name: str) -> dict[str, Any]:
@@ -321,4 +266,120 @@ def test_kubelet_failures_surface_as_reasons(
     deadline = time.monotonic() + 60
     while _pods_left(cp, namespace):
         assert time.monotonic() < deadline, "the engine pods outlived their ServedModels by 60 s"
+        time.sleep(0.5)
+
+
+# One line per version of the ServedModel the API server sends a watch: phase, restarts, Degraded's
+# status and reason and message, Serving's status and reason (the probe's).
+_WATCH_FIELDS = (
+    '{.status.phase}{"|"}{.status.restarts}{"|"}'
+    '{.status.conditions[?(@.type=="Degraded")].status}{"|"}'
+    '{.status.conditions[?(@.type=="Degraded")].reason}{"|"}'
+    '{.status.conditions[?(@.type=="Degraded")].message}{"|"}'
+    '{.status.conditions[?(@.type=="Serving")].status}{"|"}'
+    '{.status.conditions[?(@.type=="Serving")].reason}{"\\n"}'
+)
+
+
+@contextlib.contextmanager
+def watch_status(cp: controlplane.ControlPlane, namespace: str, name: str, out: Path) -> Iterator[Path]:
+    """`kubectl get -w` of the ServedModel into `out`, a line per version written (none missed between
+    polls, as a poll of a short outage could); stopped by its pid."""
+    cmd = [str(cp.bin_dir / "kubectl"), f"--kubeconfig={cp.kubeconfig}", "get", "servedmodel", name]
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [*cmd, "-n", namespace, "--watch", "-o", f"jsonpath={_WATCH_FIELDS}"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        yield out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _versions(watched: Path) -> list[dict[str, str]]:
+    keys = ("phase", "restarts", "degraded", "reason", "message", "serving", "servingReason")
+    return [dict(zip(keys, line.split("|"), strict=False)) for line in watched.read_text().splitlines()]
+
+
+def test_killed_engine_restarts_and_recovers(
+    control_plane: controlplane.ControlPlane,
+    real_node: realnode.RealNode,
+    namespace: str,
+    operator_log: Callable[[], str],
+    tmp_path: Path,
+) -> None:
+    """The engine container's process killed for real (SIGKILL to its pid on this machine): the kubelet
+    restarts it in the same pod (restartCount 1, last exit 137), the ServedModel says so while it is down
+    (Degraded, reason ContainerRestarted, the exit in the message) and counts it (status.restarts 1), and
+    it recovers to Ready and Serving with the count kept."""
+    cp = control_plane
+    archive, _ = images.ensure("simulator")
+    real_node.ctr("images", "import", "--all-platforms", str(archive))
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(served_model("killed")))
+
+    def served() -> dict[str, Any]:
+        return cp.get_json("servedmodel", "killed", "-n", namespace).get("status") or {}
+
+    def serving(status: dict[str, Any]) -> bool:
+        return status.get("phase") == "Ready" and _condition(status.get("conditions"), SERVING) == "True"
+
+    deadline = time.monotonic() + WAIT_S
+    while not serving(status := served()):
+        assert time.monotonic() < deadline, f"not serving after {WAIT_S:.0f} s: {status}\n{operator_log()}"
+        time.sleep(1)
+    assert status.get("restarts") == 0, status
+    (pod,) = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=killed")["items"]
+    name = pod["metadata"]["name"]
+    engine = pod["status"]["containerStatuses"][0]
+    assert engine["restartCount"] == 0, engine
+    container_id = engine["containerID"].removeprefix("containerd://")
+    tasks = real_node.ctr("tasks", "ls").stdout.splitlines()[1:]
+    pid = next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
+    assert "servedmodel" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"), pid
+
+    with watch_status(cp, namespace, "killed", tmp_path / "watch.txt") as watched:
+        os.kill(pid, signal.SIGKILL)
+        # The kubelet restarts the container in the same pod: a new container, the old one's exit kept.
+        pod = wait_pod(
+            cp,
+            namespace,
+            name,
+            "restarted once",
+            lambda p: [c.get("restartCount") for c in p["status"].get("containerStatuses") or []] == [1],
+            timeout=WAIT_S,
+        )
+        engine = pod["status"]["containerStatuses"][0]
+        assert engine["lastState"]["terminated"]["exitCode"] == 137, engine
+        assert engine["containerID"].removeprefix("containerd://") != container_id
+        # While it is down: the failure and its reason in the ServedModel's status; then serving again.
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            versions = _versions(watched)
+            down = [v for v in versions if v["degraded"] == "True" and v["reason"] == "ContainerRestarted"]
+            if down and serving(status := served()):
+                break
+            assert time.monotonic() < deadline, f"{versions}\n{served()}\n{operator_log()}"
+            time.sleep(1)
+    assert down[0]["phase"] == "Degraded", down
+    assert down[0]["restarts"] == "1", down
+    assert f"pod {name}: container" in down[0]["message"], down
+    assert "restart 1, last exit Error, exit code 137" in down[0]["message"], down
+    # Recovered: the same pod, Ready and Serving, the restart still counted, nothing Degraded.
+    assert status["restarts"] == 1, status
+    assert _condition(status.get("conditions"), "Degraded") == "False", status
+    (pod,) = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=killed")["items"]
+    assert pod["metadata"]["name"] == name
+    assert _condition(pod["status"]["conditions"], "Ready") == "True", pod["status"]
+    cp.kubectl("delete", "-n", namespace, "servedmodel", "killed", "--wait=false")
+    deadline = time.monotonic() + 60
+    while _pods_left(cp, namespace):
+        assert time.monotonic() < deadline, "the engine pod outlived its ServedModel by 60 s"
         time.sleep(0.5)

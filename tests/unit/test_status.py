@@ -623,3 +623,30 @@ def test_missing_chat_template_degrades_with_its_reason() -> None:
     assert ready["status"] == "True"
     (event,) = transitions(None, status)
     assert (event.type, event.reason) == ("Warning", "Degraded")
+
+
+def test_a_restarted_engine_is_degraded_until_ready_and_restarts_counted() -> None:
+    """The kubelet restarted the engine container (its process was killed: exit 137): running again, not
+    ready yet. Degraded with the restart and the last exit until it is ready; status.restarts counts it
+    (summed over the live pods, a deleting one left out) and stays once it serves again."""
+    killed = {"reason": "Error", "exitCode": 137}
+    down = pod(ready=False, last_terminated=killed)
+    problem = pod_problem(down)
+    assert problem == Problem(
+        "ContainerRestarted",
+        "pod qwen-6d4cf56db6-7xk2p: container vllm restarted (restart 4, last exit Error, exit code 137), "
+        "not ready yet",
+    )
+    leaving = pod("qwen-old", ready=False, last_terminated=killed, deleting=True)
+    unavailable = Observed(deployment(conditions=[UNAVAILABLE, ROLLED]), [down, leaving])
+    status = compute_status(subject(1), Managed(unavailable, MODEL))
+    assert status["phase"] == "Degraded"
+    assert status["restarts"] == 4
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ContainerRestarted")
+
+    back = pod(last_terminated=killed)
+    assert pod_problem(back) is None
+    status = compute_status(subject(1), Managed(Observed(READY_OBS.deployment, [back]), MODEL))
+    assert (status["phase"], status["restarts"]) == ("Ready", 4)
+    assert compute_status(subject(1), Managed(READY_OBS, MODEL))["restarts"] == 0

@@ -40,6 +40,12 @@ class ServedModelStatus(ApiModel):
     ready: str | None = Field(
         default=None, max_length=32, description="readyReplicas/replicas for the Ready column, e.g. 1/1."
     )
+    restarts: int | None = Field(
+        default=None,
+        ge=0,
+        description="Restarts of the engine pods' containers by the kubelet (process exited or killed), "
+        "summed over the pods that exist now (as kubectl get pods' RESTARTS; a new pod starts at 0).",
+    )
     endpoint: str | None = Field(
         default=None,
         max_length=2048,
