@@ -23,7 +23,7 @@ import inspect
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,36 @@ def setups() -> list[Setup]:
     return out
 
 
+def client_for(
+    s: Setup, spec: ProbeSpec, sent: Counter[str], hook: Callable[[httpx.Request], Awaitable[None]]
+) -> httpx.AsyncClient:
+    """The client as the operator makes it (probe/client.http_client: no cookies kept, the lean path
+    under httpx's client where the checkout has one) over the way's transport; requests counted where
+    they are sent: at the probe transport's exchange where the checkout has it (the lean path passes no
+    event hook), else by an event hook."""
+    transport = s.transport() if s.transport is not None else httpx.AsyncHTTPTransport(trust_env=False)
+    make: Callable[..., httpx.AsyncClient] | None = getattr(probe, "http_client", None)
+    if make is None:
+        return httpx.AsyncClient(
+            transport=transport,
+            timeout=probe.http_timeout(spec),
+            trust_env=False,
+            event_hooks={"request": [hook]},
+        )
+    exchange = getattr(transport, "exchange", None)
+    if exchange is not None:
+
+        async def counted(host: str, port: int, wire: bytes, *args: Any, **kwargs: Any) -> Any:
+            sent[wire.split(b" ", 2)[1].split(b"?", 1)[0].decode()] += 1
+            return await exchange(host, port, wire, *args, **kwargs)
+
+        transport.exchange = counted  # type: ignore[attr-defined]
+        return make(spec, transport)
+    client = make(spec, transport)
+    client.event_hooks = {"request": [hook]}
+    return client
+
+
 async def run(blocks: int) -> list[Way]:
     spec = ProbeSpec()
     every = getattr(probe, "FULL_PATH_EVERY", 10)
@@ -128,10 +158,7 @@ async def run(blocks: int) -> list[Way]:
                 kw: dict[str, Any] = {"loop_factory": s.loop_factory} if loop_factory else {}
                 s.loop = probe_loop.ProbeLoop(f"bench-{s.name}", **kw)
                 s.loop.start()
-                kw = {"transport": s.transport()} if s.transport is not None else {}
-                s.client = httpx.AsyncClient(
-                    timeout=probe.http_timeout(spec), trust_env=False, event_hooks={"request": [count]}, **kw
-                )
+                s.client = client_for(s, spec, sent, count)
                 for _ in range(WARMUP):
                     await cycle(s, None, None)
             memos = {s.name: probe.PathMemo("bench") if has_memo else None for s in ways}

@@ -11,6 +11,7 @@ the API key or a bearer token. Each refusal is a ProbeFailure with a reason of i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import zlib
@@ -21,6 +22,7 @@ import httpx
 
 from . import errors
 from .errors import ProbeFailure, snippet
+from .http11 import LeanHeaders, LeanResponse, ProbeClient
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
@@ -118,12 +120,12 @@ def decode_text(body: bytes, step: str) -> str:
         ) from None
 
 
-async def read_capped(response: httpx.Response, cap: int, step: str) -> bytes:
+async def read_capped(response: httpx.Response | LeanResponse, cap: int, step: str) -> bytes:
     """The body of a streamed response, at most `cap` bytes; more is ResponseTooLarge and the connection is
     dropped, not drained. Read raw (the probe asks for identity); a compressed answer sent anyway is
     inflated here with its output bounded by `cap` too, never whole (httpx's own decoder inflates each
     read at once: a 64 KiB read of a gzip bomb can become 64 MB)."""
-    if response.is_stream_consumed:
+    if isinstance(response, httpx.Response) and response.is_stream_consumed:
         # An event hook of the caller's client read it already (httpx decoded it, whole): bounded after
         # the fact, as it is. The probe's own clients have no such hook.
         if len(response.content) > cap:
@@ -160,8 +162,29 @@ class Reply:
 
     __slots__ = ("body", "headers", "status_code")
 
-    def __init__(self, status_code: int, headers: httpx.Headers, body: bytes) -> None:
+    def __init__(self, status_code: int, headers: httpx.Headers | LeanHeaders, body: bytes) -> None:
         self.status_code, self.headers, self.body = status_code, headers, body
+
+
+@functools.lru_cache(maxsize=4096)
+def parsed_url(text: str) -> httpx.URL:
+    """An engine's URL parsed once: httpx checks a str URL's every character on each request; the probe
+    asks the same few paths of each engine every cycle."""
+    return httpx.URL(text)
+
+
+def lean_of(client: httpx.AsyncClient, url: str | httpx.URL) -> tuple[ProbeClient, httpx.URL] | None:
+    """The client and the parsed URL where a request to `url` can skip httpx's client layer
+    (http11.ProbeClient), else None."""
+    if not isinstance(client, ProbeClient) or client.lean is None:
+        return None
+    target = url if isinstance(url, httpx.URL) else parsed_url(url)
+    return (client, target) if client.lean_for(target) else None
+
+
+def json_bytes(body: Any) -> bytes:
+    """A JSON request body as httpx encodes one (compact, UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 async def request(
@@ -180,20 +203,33 @@ async def request(
     """One non-streamed request whose whole answer (headers and body) must come within `deadline_s`
     (DeadlineExceeded) and hold at most `cap` bytes (ERROR_BODY_MAX_BYTES for a non-2xx answer);
     transport errors are classified as the probe's others."""
-    kwargs: dict[str, Any] = {"headers": {"Accept-Encoding": "identity", **(headers or {})}, "params": params}
+    sent = {"Accept-Encoding": "identity", **(headers or {})}
+    lean = lean_of(client, url) if params is None else None
+    kwargs: dict[str, Any] = {"headers": sent, "params": params}
     if json_body is not None:
         kwargs["json"] = json_body
     if read_limits is not None:
         kwargs["timeout"] = read_limits
     try:
         async with asyncio.timeout(deadline_s):
+            if lean is not None:
+                body = None if json_body is None else json_bytes(json_body)
+                answer = await lean[0].lean_stream(method, lean[1], sent, body, read_limits)
+                try:
+                    return await _whole(answer, cap, step)
+                finally:
+                    await answer.aclose()
             async with client.stream(method, url, **kwargs) as r:
-                limit = cap if 200 <= r.status_code < 300 else min(cap, ERROR_BODY_MAX_BYTES)
-                body = await read_capped(r, limit, step)
-                return Reply(r.status_code, r.headers, body)
+                return await _whole(r, cap, step)
     except TimeoutError:
         raise ProbeFailure(
             errors.DEADLINE_EXCEEDED, f"{step}: the whole answer did not come within {deadline_s:g} s"
         ) from None
     except httpx.TransportError as exc:
         raise errors.classify_transport_error(exc, step) from None
+
+
+async def _whole(r: httpx.Response | LeanResponse, cap: int, step: str) -> Reply:
+    limit = cap if 200 <= r.status_code < 300 else min(cap, ERROR_BODY_MAX_BYTES)
+    body = await read_capped(r, limit, step)
+    return Reply(r.status_code, r.headers, body)

@@ -50,7 +50,7 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
-from .http11 import ProbeTransport
+from .http11 import LeanResponse, ProbeClient, ProbeTransport
 from .loop import GC_WATCH, PROBE_STALL_S, PROBE_WATCH_PERIOD_S, LoopWatch, watch_of
 from .metrics import METRICS_QUERY, MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import (
@@ -567,12 +567,19 @@ async def stream_chat(
         if event.endswith(("send_request_headers.started", "receive_response_headers.complete")):
             marks[event.rsplit(".", 2)[-2]] = clock()
 
-    request = client.build_request(
-        "POST", f"{base}/v1/chat/completions", json=body, headers=headers, extensions={"trace": trace}
-    )
+    url = f"{base}/v1/chat/completions"
+    lean = bounds.lean_of(client, url)
+    if lean is None:
+        request = client.build_request("POST", url, json=body, headers=headers, extensions={"trace": trace})
+    else:
+        payload = bounds.json_bytes(body)
     timing = StreamTiming(sent_ns=clock(), request_id=request_id)
     try:
-        response = await client.send(request, stream=True)
+        response: httpx.Response | LeanResponse
+        if lean is None:
+            response = await client.send(request, stream=True)
+        else:
+            response = await lean[0].lean_stream("POST", lean[1], headers, payload, trace=trace)
     except httpx.TransportError as exc:
         raise errors.classify_transport_error(exc, step) from None
     now = clock()
@@ -1082,11 +1089,16 @@ class _NoCookies(http.cookiejar.CookieJar):
         return None
 
 
-def http_client(spec: ProbeSpec, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+def http_client(
+    spec: ProbeSpec, transport: httpx.AsyncBaseTransport, *, lean: ProbeTransport | None = None
+) -> httpx.AsyncClient:
     """An AsyncClient with the spec's limits over `transport`: no environment proxies (probes go
-    straight to the engine), no cookies kept."""
-    return httpx.AsyncClient(
-        transport=transport, timeout=http_timeout(spec), trust_env=False, cookies=_NoCookies()
+    straight to the engine), no cookies kept. The probe's own requests to http:// engines go straight
+    to `lean` (`transport` itself when it is a ProbeTransport), under httpx's client layer."""
+    if lean is None and isinstance(transport, ProbeTransport):
+        lean = transport
+    return ProbeClient(
+        lean=lean, transport=transport, timeout=http_timeout(spec), trust_env=False, cookies=_NoCookies()
     )
 
 

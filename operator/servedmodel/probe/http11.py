@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, cast
 
 import httpx
@@ -366,17 +366,48 @@ class ProbeTransport(httpx.AsyncBaseTransport):
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, float | None] = request.extensions.get("timeout") or {}
         trace: Trace | None = request.extensions.get("trace")
-        wire_request = await _encode(request)
+        head, body = await self.exchange(
+            url.host,
+            url.port or 80,
+            await _encode(request),
+            request.method.encode("ascii"),
+            timeouts,
+            trace,
+            {"request": request},
+            close=request.headers.get("connection", "").lower() == "close",
+        )
+        return httpx.Response(
+            head.status,
+            headers=head.headers,
+            stream=body,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
+        )
+
+    async def exchange(
+        self,
+        host: str,
+        port: int,
+        wire_request: bytes,
+        method: bytes,
+        timeouts: dict[str, float | None],
+        trace: Trace | None = None,
+        trace_info: dict[str, Any] | None = None,
+        *,
+        close: bool = False,
+    ) -> tuple[_Head, _Body]:
+        """One request as encoded, on a kept-alive connection to host:port (a reused one the peer had
+        closed unanswered: once more on a fresh one); its response head and its body as it comes."""
         loop = asyncio.get_running_loop()
-        key = (loop, url.host, url.port or 80)
+        key = (loop, host, port)
         read_timeout = timeouts.get("read")
+        info = trace_info if trace_info is not None else {}
         for attempt in range(2):
             conn, reused = await self._acquire(key, timeouts.get("connect"), fresh=attempt > 0)
             try:
                 if trace is not None:
-                    await trace("http11.send_request_headers.started", {"request": request})
+                    await trace("http11.send_request_headers.started", info)
                 await _send(conn, wire_request, timeouts.get("write"), reused)
-                head = await _read_head(conn, request.method.encode("ascii"), read_timeout, reused)
+                head = await _read_head(conn, method, read_timeout, reused)
             except _Stale:
                 conn.close()
                 continue
@@ -385,14 +416,9 @@ class ProbeTransport(httpx.AsyncBaseTransport):
                 raise
             if trace is not None:
                 await trace("http11.receive_response_headers.complete", {"return_value": head.status})
-            if request.headers.get("connection", "").lower() == "close":
+            if close:
                 head.keep_alive = False
-            return httpx.Response(
-                head.status,
-                headers=head.headers,
-                stream=_Body(self, conn, head, read_timeout),
-                extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
-            )
+            return head, _Body(self, conn, head, read_timeout)
         raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
 
     async def _acquire(
@@ -526,3 +552,122 @@ async def _read_head(conn: _Conn, method: bytes, read_timeout: float | None, reu
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         searched = max(0, len(buf) - 2)
         await wire.more(read_timeout)
+
+
+# ---- under httpx's client: the probe's own requests straight to this transport ------------------------
+#
+# Why: in a light cycle (two /metrics scrapes and the streamed chat) httpx's client layer, the Request
+# and URL models, header merging, the cookie hooks and the Response with its stream wrappers, was the
+# largest part of the operator's CPU left (issue 21). A ProbeClient sends the probe's own requests to its
+# ProbeTransport directly, with the very bytes httpx would have sent (tests/probe/test_probe_http11.py
+# holds them equal), and hands back a LeanResponse with the few things the probe reads of an answer.
+
+
+class LeanHeaders:
+    """A response's headers as read, for the lookups the probe makes (case-insensitive, several values
+    joined with ", " and decoded as httpx.Headers does), without building httpx.Headers."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        name = key.lower().encode("ascii")
+        values = [v for n, v in self.raw if n.lower() == name]
+        if not values:
+            return default
+        return ", ".join(_header_text(v) for v in values)
+
+
+def _header_text(value: bytes) -> str:
+    """httpx.Headers' decoding: ASCII, else UTF-8, else ISO-8859-1."""
+    for encoding in ("ascii", "utf-8"):
+        try:
+            return value.decode(encoding)
+        except UnicodeDecodeError:
+            pass
+    return value.decode("iso-8859-1")
+
+
+class LeanResponse:
+    """An answer of the lean path: status, headers, and the body read raw as it comes."""
+
+    __slots__ = ("_body", "headers", "status_code")
+
+    def __init__(self, head: _Head, body: _Body) -> None:
+        self.status_code, self.headers, self._body = head.status, LeanHeaders(head.headers), body
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._body.__aiter__()
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
+class ProbeClient(httpx.AsyncClient):
+    """An AsyncClient whose plain http:// requests may skip its client layer for `lean`, the
+    ProbeTransport under it (`lean_for`); anything it cannot send as httpx would goes through httpx."""
+
+    def __init__(self, *, lean: ProbeTransport | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lean = lean
+
+    def lean_for(self, url: httpx.URL) -> bool:
+        """Whether `url` may go to `lean` directly: not when it is not http://, the client is closed
+        (httpx says so), or hooks or auth that httpx's client layer must run are set."""
+        if self.lean is None or url.scheme != "http" or self.is_closed or self.auth is not None:
+            return False
+        hooks = self.event_hooks
+        return not (hooks["request"] or hooks["response"])
+
+    async def lean_stream(
+        self,
+        method: str,
+        url: httpx.URL,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        limits: httpx.Timeout | None = None,
+        trace: Trace | None = None,
+    ) -> LeanResponse:
+        """`method` `url` with the client's headers and `headers` (and a JSON `body`), as
+        client.send(client.build_request(...), stream=True) would send it; the caller closes the answer."""
+        assert self.lean is not None
+        wire = encode_lean(method, url, self.headers.raw, headers, body)
+        timeouts = (limits or self.timeout).as_dict()
+        close = any(k.lower() == "connection" and v.lower() == "close" for k, v in headers.items())
+        head, stream = await self.lean.exchange(
+            url.host, url.port or 80, wire, method.encode("ascii"), timeouts, trace, close=close
+        )
+        return LeanResponse(head, stream)
+
+
+def encode_lean(
+    method: str,
+    url: httpx.URL,
+    defaults: list[tuple[bytes, bytes]],
+    headers: Mapping[str, str],
+    body: bytes | None,
+) -> bytes:
+    """The request as httpx's client sends it: Host, the client's headers with `headers` merged in (a
+    name given again is moved to the end, as Headers.update does), Content-Length and Content-Type of a
+    JSON body; then the body."""
+    given = [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
+    names = {k.lower() for k, _ in given}
+    merged = [(k, v) for k, v in defaults if k.lower() not in names] + given
+    present = {k.lower() for k, _ in merged}
+    if b"host" not in present:
+        merged.insert(0, (b"Host", url.netloc))
+    if body is not None:
+        for name, value in ((b"Content-Length", b"%d" % len(body)), (b"Content-Type", b"application/json")):
+            if name.lower() not in present:
+                merged.append((name, value))
+    parts = [method.encode("ascii"), b" ", url.raw_path, b" HTTP/1.1\r\n"]
+    for name, value in merged:
+        if b"\r" in value or b"\n" in value or b"\0" in value or b"\r" in name or b"\n" in name:
+            raise httpx.LocalProtocolError(f"illegal header {name!r}")
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    if body is not None:
+        parts.append(body)
+    return b"".join(parts)

@@ -71,6 +71,7 @@ from servedmodel.probe.compose import (
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url, resolve_override
 from servedmodel.probe.errors import ProbeFailure
 from servedmodel.probe.group import WorkerWindow, check_worker, group_verdicts
+from servedmodel.probe.http11 import ProbeTransport
 from servedmodel.probe.loop import ProbeLoop
 from servedmodel.probe.replicas import (
     TEMPLATE_CHANGED,
@@ -266,7 +267,8 @@ class CycleRunner:
 
     def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
         """A client with this model's limits over the one connection pool."""
-        return http_client(spec, _Shared(self._pool()))
+        pool = self._pool()
+        return http_client(spec, _Shared(pool), lean=pool if isinstance(pool, ProbeTransport) else None)
 
     def closers(self) -> list[Any]:
         """The clients to close on the probe loop, whose connections they hold (the scheduler's stop)."""
