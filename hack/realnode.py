@@ -96,13 +96,13 @@ class RealNode:
     def socket(self) -> Path:
         return self.dir / "containerd.sock"
 
-    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def ctr(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(self.bin_dir / "ctr"), "--address", str(self.socket), "-n", "k8s.io", *args],
             check=check,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=timeout,
         )
 
     def stop(self, timeout: float = 10.0) -> None:
