@@ -23,7 +23,7 @@ import controlplane
 import realnode
 import vllm_image
 from required import need
-from servedmodel.api.conditions import SERVING
+from servedmodel.api.conditions import PROBE_UNRELIABLE, SERVING
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 # Import (~3.3 GB compressed) and vLLM's start (minutes on two loaded cores): deadlines, not expectations.
@@ -65,6 +65,29 @@ def vllm_model(name: str) -> dict[str, Any]:
 
 def _condition(conds: list[dict[str, Any]] | None, kind: str) -> str | None:
     return next((str(c.get("status")) for c in conds or [] if c.get("type") == kind), None)
+
+
+def measured_probe(cp: controlplane.ControlPlane, namespace: str, status: dict[str, Any]) -> dict[str, Any]:
+    """The first probe cycle (from `status` on) whose client figures include TPOT. A cycle read while the
+    probe's own loop was stalled (this test's operator shares two loaded cores with vLLM) publishes no
+    TPOT/ITL by design (probe/report.publishable_figures), and its message must say why; a later cycle,
+    every 10 s, measures it. A fresh-clone CI run met one such cycle right at Ready (KeyError 'tpotMs')."""
+    deadline = time.monotonic() + 120
+    seen: list[str] = []
+    while True:
+        probe = status.get("probe") or {}
+        client = probe.get("client") or {}
+        if client.get("tpotMs") is not None or probe.get("result") != "Success":
+            return probe
+        # ProbeUnreliable says why (the probe's loop stalled, or its stream came in lumps), naming the pod.
+        unreliable = next((c for c in status.get("conditions") or [] if c["type"] == PROBE_UNRELIABLE), {})
+        assert unreliable.get("status") == "True", f"a Success without TPOT says no why: {probe} {unreliable}"
+        why = f"{unreliable.get('reason')}: {unreliable.get('message')}"
+        if why not in seen:
+            seen.append(why)
+        assert time.monotonic() < deadline, f"no probe cycle measured TPOT in 120 s: {seen}"
+        time.sleep(5)
+        status = cp.get_json("servedmodel", "tiny", "-n", namespace).get("status") or {}
 
 
 def test_vllm_cpu_servedmodel_serves_in_a_pod(
@@ -119,7 +142,7 @@ def test_vllm_cpu_servedmodel_serves_in_a_pod(
     assert b"serve" in cmdline, cmdline
 
     # The probe measured it: a real streamed chat (TTFT, TPOT) and the cold start's phases, in order.
-    probe = status.get("probe") or {}
+    probe = measured_probe(cp, namespace, status)
     assert (probe.get("result"), probe.get("model")) == ("Success", "qwen"), probe
     assert probe["client"]["ttftMs"] > 0, probe
     assert probe["client"]["tpotMs"] > 0, probe
