@@ -83,20 +83,47 @@ def server(request: pytest.FixtureRequest) -> VLLMServer:
     return fixture
 
 
-async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLLMServer) -> None:
-    spec = ProbeSpec.model_validate(SLACK)
-    out, status, scrapes = await probe(server, spec)
-    assert out.ok, (out.failure, status.message)
-    assert (status.result, status.reason) == ("Success", "Serving")
-    # Every check passes; streaming may instead be skipped when the prober itself was held up while the
-    # tokens came (a garbage collection of this process, ProbeLoopStalled): then it judged nothing of
-    # vLLM's, and says so. A lump vLLM delivered is still a failure here.
-    failed = {
+def failed_checks(out: Any) -> dict[str, tuple[str, str]]:
+    """Every check passes; streaming may instead be skipped when the prober itself was held up while the
+    tokens came (a garbage collection of this process, ProbeLoopStalled): then it judged nothing of
+    vLLM's, and says so."""
+    return {
         k: (c.reason, c.message)
         for k, c in out.checks.items()
         if c.result != "Pass" and not (k == "streaming" and c.reason == PROBE_LOOP_STALLED)
     }
-    assert not failed, failed
+
+
+def vllm_merged_its_events(out: Any, failed: dict[str, tuple[str, str]]) -> bool:
+    """Only streaming failed, CoalescedStream, and vLLM itself sent fewer events than tokens: its API server
+    process fell behind its engine core (both on these two loaded cores) and its RequestOutputCollector
+    merged the deltas it had not taken yet ("16 tokens in 3 chunks", a fresh-clone CI run). The probe was
+    right to say so; that cycle just proves nothing about a stream vLLM sent token by token. A lump of
+    single-token events (the reader late, not vLLM) is not this."""
+    d = out.delivery
+    return (
+        set(failed) == {"streaming"}
+        and failed["streaming"][0] == "CoalescedStream"
+        and d is not None
+        and 0 < d.chunks < d.tokens
+    )
+
+
+async def test_probe_cycle_passes_every_check_with_vllms_own_figures(server: VLLMServer) -> None:
+    spec = ProbeSpec.model_validate(SLACK)
+    merged: list[str] = []
+    for _ in range(3):
+        out, status, scrapes = await probe(server, spec)
+        assert out.ok, (out.failure, status.message)
+        assert (status.result, status.reason) == ("Success", "Serving")
+        failed = failed_checks(out)
+        if not vllm_merged_its_events(out, failed):
+            break
+        merged.append(out.delivery.describe())
+    if merged:
+        print(f"cycles vLLM streamed in merged events (cycle run again): {merged}")
+    # A lump vLLM delivered is still a failure here when it is not vLLM's own merging, or on every try.
+    assert not failed, (failed, merged)
     assert set(out.checks) >= CHECKS
     assert out.checks["template"].reason == "PromptTokensMatch"
     assert out.checks["limits"].reason == "OversizedPromptRejected"
