@@ -15,6 +15,9 @@ calls `route` with every change; `route` only decides what to enqueue:
 - a child: its owner (controller ownerReference, else the instance label), when that owner is cached:
   a child event never brings back a ServedModel the cache no longer has;
 - a ConfigMap: every ServedModel of its namespace whose spec.engine.chatTemplate names it.
+
+A write's answer written through into the cache (`on_written`) is routed the same way, where it carries
+another writer's change: its watch event would otherwise arrive as no change.
 """
 
 from __future__ import annotations
@@ -45,21 +48,29 @@ WATCHES: Final = (
 )
 
 
-def reconciler_inputs(obj: Mapping[str, Any] | None) -> Any:
-    """What a reconcile of this ServedModel depends on, besides its children."""
-    if obj is None:
-        return None
-    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
-    serving = conditions.find(status.get("conditions"), conditions.SERVING) or {}
-    # Serving's message reaches the reconciler's status only when it degrades the phase (status.py's
-    # _degraded_by_probe): while Serving is True it carries the cycle's TTFT and changes every cycle.
-    message_read = serving.get("status") == "False" or serving.get("reason") == conditions.REPLICAS_FAILING
+def metadata_inputs(obj: Mapping[str, Any]) -> Any:
+    """What a reconcile reads of a ServedModel's metadata: its users change it, our status writes never."""
+    meta = obj.get("metadata") or {}
     return (
         meta.get("generation"),
         meta.get("labels"),
         meta.get("annotations"),
         meta.get("deletionTimestamp"),
         meta.get("finalizers"),
+    )
+
+
+def reconciler_inputs(obj: Mapping[str, Any] | None) -> Any:
+    """What a reconcile of this ServedModel depends on, besides its children."""
+    if obj is None:
+        return None
+    status = obj.get("status") or {}
+    serving = conditions.find(status.get("conditions"), conditions.SERVING) or {}
+    # Serving's message reaches the reconciler's status only when it degrades the phase (status.py's
+    # _degraded_by_probe): while Serving is True it carries the cycle's TTFT and changes every cycle.
+    message_read = serving.get("status") == "False" or serving.get("reason") == conditions.REPLICAS_FAILING
+    return (
+        *metadata_inputs(obj),
         {k: status.get(k) for k in RECONCILER_FIELDS},
         [c for c in status.get("conditions") or [] if c.get("type") in conditions.RECONCILER_CONDITIONS],
         (serving.get("status"), serving.get("reason"), serving.get("message") if message_read else None),
@@ -101,5 +112,27 @@ def route(kind: str, cache: Cache, controller: Controller) -> Handler:
     return child
 
 
+def on_written(controller: Controller) -> Callable[[str, Any, Any], None]:
+    """Cache.on_written: a ServedModel write's answer stored in the cache, routed as the watch event it
+    hides would be.
+
+    The answer is the object as it is now, other writers' changes included: the reconciler's or the
+    probe's status write answered with the spec a user applied since the pass read it. That change's
+    watch event then arrives older than the answer (ignored), and the answer's own event equal to it (no
+    change): a new generation landing under a status write was never reconciled (a fresh-clone CI run:
+    autoscaling applied while the first pass wrote Ready, no HPA in 120 s). Only the metadata is compared:
+    the status is what the writer wrote. A child needs nothing of this: its route enqueues the owner on
+    every event, an unchanged one included."""
+
+    def written(kind: str, old: Any, new: Any) -> None:
+        # nothing cached before (rare: passes start from the cache): its ADDED event would find this copy
+        if kind == SERVED_MODEL and (old is None or metadata_inputs(old) != metadata_inputs(new)):
+            controller.enqueue(*_key(new))
+
+    return written
+
+
 def handlers(cache: Cache, controller: Controller) -> dict[str, Callable[[str, Any, Any], None]]:
+    """The informers' handler of every watched kind; and the cache's write-through router (on_written)."""
+    cache.on_written = on_written(controller)
     return {w.kind: route(w.kind, cache, controller) for w in WATCHES}

@@ -8,7 +8,7 @@ from typing import Any
 
 from servedmodel.controller import Controller
 from servedmodel.k8s import Cache
-from servedmodel.watches import reconciler_inputs, route
+from servedmodel.watches import handlers, reconciler_inputs, route
 
 
 def body(serving: dict[str, Any] | None = None, *, generation: int = 1, ttft: float = 0.1) -> dict[str, Any]:
@@ -56,4 +56,44 @@ async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
     assert enqueued == []
     cache.apply_event("ServedModel", "ADDED", body())
     route("Deployment", cache, controller)("DELETED", child, None)
+    assert enqueued == [("a", "m")]
+
+
+def test_a_write_answer_carrying_a_new_generation_enqueues_and_our_own_status_does_not() -> None:
+    """Cache.on_written (watches.on_written): a status write answered with the user's newer spec hides
+    that spec's watch event (older than the answer, then one equal to it), so the answer is routed."""
+    enqueued: list[tuple[str, str]] = []
+
+    class Recorder(Controller):
+        def enqueue(self, namespace: str, name: str, *, after: float = 0.0) -> None:
+            enqueued.append((namespace, name))
+
+    async def reconcile(key: tuple[str, str]) -> None:
+        return None
+
+    controller = Recorder(reconcile, list, workers=1, resync_interval_s=0)
+    cache = Cache()
+    routed = handlers(cache, controller)["ServedModel"]  # the cache's on_written wired too
+
+    def at(rv: int, generation: int, phase: str) -> dict[str, Any]:
+        b = body(generation=generation)
+        b["metadata"]["resourceVersion"] = str(rv)
+        b["status"]["phase"] = phase
+        return b
+
+    def event(obj: dict[str, Any]) -> None:  # as k8s/informer.py feeds the cache and the router
+        old = cache.get("ServedModel", "a", "m")
+        if cache.apply_event("ServedModel", "MODIFIED", obj):
+            routed("MODIFIED", old, cache.get("ServedModel", "a", "m"))
+
+    event(at(10, 1, "Progressing"))
+    enqueued.clear()
+    cache.upsert("ServedModel", at(11, 1, "Ready"))  # our own status write: nothing else in it
+    event(at(11, 1, "Ready"))
+    assert enqueued == []
+
+    cache.upsert("ServedModel", at(13, 2, "Ready"))  # answered with generation 2 (the user's, rv 12)
+    assert enqueued == [("a", "m")]
+    event(at(12, 2, "Ready"))  # the user's event, late: older than the cache, ignored
+    event(at(13, 2, "Ready"))  # the write's own: equal, no change
     assert enqueued == [("a", "m")]

@@ -35,7 +35,10 @@ of the same name from different groups.
 Ordering: a watch delivers one kind's events in order, but a written-through response can be newer
 than an event still in flight. An event or upsert whose `metadata.resourceVersion` is older than the
 stored one (compared as integers, which etcd-backed API servers hand out) is ignored; when either is not
-an integer the newer arrival wins, as in client-go's informers.
+an integer the newer arrival wins, as in client-go's informers. So a write's answer that also carries
+another writer's change (our status write answered with the user's new spec) hides that change's watch
+event; ``on_written(kind, before, now)`` is told of every answer stored, for the operator to route it
+as the event would have been (watches.on_written).
 
 Deletes, as client-go's informers keep them (what k8s/informer.py relies on):
 
@@ -56,7 +59,7 @@ from __future__ import annotations
 import builtins
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -170,6 +173,11 @@ class Cache:
         self._by_instance: dict[str, dict[Key, dict[str, Obj]]] = {}
         self._fed: set[str] = set()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        # Told (kind, stored before, stored now) of every write's answer stored. The answer may carry
+        # another writer's change (a user's new spec under our status write): its watch event then
+        # arrives older than, or equal to, what is stored and is routed as no change, so the operator
+        # routes the answer here instead (watches.on_written).
+        self.on_written: Callable[[str, Obj | None, Obj], None] | None = None
 
     # ---- writes (watch events, write-through) ----------------------------------------------------
 
@@ -208,6 +216,8 @@ class Cache:
         instance = _instance(stored)
         if instance is not None:
             self._by_instance.setdefault(kind, {}).setdefault((namespace, instance), {})[str(name)] = stored
+        if written and self.on_written is not None:
+            self.on_written(kind, old, stored)
         return True
 
     def remove(self, kind: str, namespace: str, name: str, *, uid: str = "") -> bool:
