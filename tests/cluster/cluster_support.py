@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +68,17 @@ def wait_for(
             extra = f"\n{detail()}" if detail else ""
             pytest.fail(f"gave up after {timeout:.0f}s waiting for {what}; last seen: {last!r}{extra}")
         time.sleep(interval)
+
+
+async def until(check: Callable[[], Any], within: float, what: str = "the condition") -> float:
+    """Await `check()` truthy, polling every 50 ms without blocking the loop (an informer or elector runs on
+    it); the seconds it took. Fails naming `what` after `within` seconds. A bounded wait, not a timing."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"gave up after {within:.0f} s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
 
 
 def metric_sum(op: Any, sample: str, **labels: str) -> float:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
+from cluster_support import until
 
 import controlplane
 from servedmodel.k8s import KubeClient, load_identity
@@ -40,15 +40,6 @@ def elector(c: KubeClient, namespace: str, identity: str) -> LeaderElector:
         renew_deadline_s=RENEW,
         retry_period_s=RETRY,
     )
-
-
-async def until(check: Callable[[], bool], within: float) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"not within {within:.0f}s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 async def test_one_leader_then_takeover_after_a_lease_duration(

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import yaml
-from cluster_support import served_model
+from cluster_support import served_model, until
 
 import controlplane
 from servedmodel import watches
@@ -62,13 +61,6 @@ class Enqueued(Controller):
         self.keys.append((namespace, name))
 
 
-async def until(what: str, ok: Any, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not ok():
-        assert time.monotonic() < deadline, f"gave up after {within_s:.0f} s waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_generation_applied_under_a_status_write_is_enqueued(
     control_plane: controlplane.ControlPlane, namespace: str
 ) -> None:
@@ -88,9 +80,13 @@ async def test_a_generation_applied_under_a_status_write_is_enqueued(
             await asyncio.to_thread(
                 cp.kubectl, "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(served_model(name))
             )
-            await until("generation 1 in the cache", lambda: cache.get(watches.SERVED_MODEL, namespace, name))
+
+            def cached() -> Obj | None:
+                return cache.get(watches.SERVED_MODEL, namespace, name)
+
+            await until(cached, 30, "generation 1 in the cache")
             assert controller.keys == [(namespace, name)]  # its ADDED
-            body = cache.get(watches.SERVED_MODEL, namespace, name)
+            body = cached()
             assert body is not None
             assert body["metadata"]["generation"] == 1
 
@@ -111,7 +107,7 @@ async def test_a_generation_applied_under_a_status_write_is_enqueued(
             # The watch catches up: the patch's event (older than the answer) and the write's (equal).
             client.gate.set()
             rv = int(answered["metadata"]["resourceVersion"])
-            await until("the watch past the status write", lambda: int(informer._rv or 0) >= rv)
+            await until(lambda: int(informer._rv or 0) >= rv, 30, "the watch past the status write")
             assert controller.keys.count((namespace, name)) == 2, (
                 "generation 2 was never enqueued: its event came after the status write's answer"
             )

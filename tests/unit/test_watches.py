@@ -64,14 +64,11 @@ def test_a_write_answer_carrying_a_new_generation_enqueues_and_our_own_status_do
     that spec's watch event (older than the answer, then one equal to it), so the answer is routed."""
     enqueued: list[tuple[str, str]] = []
 
-    class Recorder(Controller):
-        def enqueue(self, namespace: str, name: str, *, after: float = 0.0) -> None:
-            enqueued.append((namespace, name))
-
     async def reconcile(key: tuple[str, str]) -> None:
         return None
 
-    controller = Recorder(reconcile, list, workers=1, resync_interval_s=0)
+    controller = Controller(reconcile, list, workers=1, resync_interval_s=0)
+    controller.enqueue = lambda ns, name, after=0.0: enqueued.append((ns, name))  # type: ignore[method-assign]
     cache = Cache()
     routed = handlers(cache, controller)["ServedModel"]  # the cache's on_written wired too
 
