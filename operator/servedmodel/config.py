@@ -51,12 +51,13 @@ class OperatorConfig(BaseSettings):
         ),
     )
     probe_concurrency: int = Field(
-        default=16,
+        default=32,
         ge=1,
         le=1024,
         description=(
             "Probe cycles the operator runs at once, over all ServedModels; a due cycle waits for a free "
-            "slot (earliest due first)."
+            "slot (earliest due first), and namespaces get max-min fair shares of the slots, sized from "
+            "their demand (servedmodel_probe_slots_demanded: when it passes this, starts run late)."
         ),
     )
     probe_max_pods_per_cycle: int = Field(

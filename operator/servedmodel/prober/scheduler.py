@@ -26,6 +26,7 @@ from servedmodel.probe.loop import GC_WATCH, MAIN_WATCH_PERIOD_S, LoopWatch, Pro
 from servedmodel.probe.report import parse_rfc3339
 from servedmodel.probe.schedule import JITTER, NOT_READY_WAIT_S
 
+from . import shares
 from .cycle import INVALID_SPEC_WAIT_S, SERVED_MODEL_KIND, CycleResult, CycleRunner, Enqueue, Model
 from .telemetry import ProbeMetrics
 
@@ -33,9 +34,6 @@ log = logging.getLogger(__name__)
 
 CACHE_SYNC_S: Final = 1.0  # how often the loop compares its ServedModels with the cache's
 IDLE_TICK_S: Final = 5.0  # the loop wakes at least this often (new keys from the cache, stop requests)
-# A namespace's share of the probe slots: max(1, probe_concurrency // NAMESPACE_SHARE_DIVISOR) cycles at
-# once (OperatorConfig has no field for it yet; ProbeScheduler.namespace_share overrides it).
-NAMESPACE_SHARE_DIVISOR: Final = 4
 
 
 def first_due(
@@ -73,7 +71,7 @@ class ProbeScheduler:
     owns: Callable[[str], bool] | None = None
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
-    # Slots one namespace may hold at once (None: max(1, probe_concurrency // NAMESPACE_SHARE_DIVISOR)).
+    # Slots one namespace may hold at once; None: its fair share, sized from demand (prober/shares.py).
     namespace_share: int | None = None
     # Where cycles' requests run (started by start(); not started, on the caller's loop).
     probe_loop: ProbeLoop = field(default_factory=ProbeLoop)
@@ -87,6 +85,15 @@ class ProbeScheduler:
     _task: asyncio.Task[None] | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
     _ns_busy: dict[str, int] = field(default_factory=dict, init=False)
+    # Per namespace: its models' cycles started per second (sum of 1 / interval), its mean cycle seconds,
+    # and the cap on its slots those give (prober/shares.py; recomputed at most once per CACHE_SYNC_S).
+    _rates: dict[Key, float] = field(default_factory=dict, init=False)
+    _ns_rate: dict[str, float] = field(default_factory=dict, init=False)
+    _ns_models: dict[str, int] = field(default_factory=dict, init=False)
+    _ns_cycle_s: dict[str, float] = field(default_factory=dict, init=False)
+    _started: dict[Key, float] = field(default_factory=dict, init=False)
+    _shares: dict[str, int] = field(default_factory=dict, init=False)
+    _shared: float = field(default=float("-inf"), init=False)
     # Due models whose namespace held its share: back on the heap when one of its cycles ends.
     _parked: dict[str, list[tuple[float, int, Key]]] = field(default_factory=dict, init=False)
     _lag_task: asyncio.Task[None] | None = field(default=None, init=False)
@@ -125,6 +132,7 @@ class ProbeScheduler:
             self._unplaced.append(key)
             self.metrics.scheduled.set(len(self._models))
         model.body = dict(body)
+        self._set_rate(key, body)
         if not model.placed and self._wake is not None:
             self._wake.set()
 
@@ -136,6 +144,7 @@ class ProbeScheduler:
         model.removed = True
         if model.task is not None and not model.task.done():
             model.task.cancel()
+        self._set_rate((namespace, name), None)
         self.metrics.forget(namespace, name)
         self.metrics.scheduled.set(len(self._models))
 
@@ -247,6 +256,7 @@ class ProbeScheduler:
         while True:
             self._sync_from_cache()
             self._place_new()
+            self._resize_shares()
             now = self.clock()
             # Start every due model a slot is free for; stale heap entries (re-pushed, forgotten) are skipped.
             while self._heap and self._heap[0][0] <= now:
@@ -258,7 +268,7 @@ class ProbeScheduler:
                 if self._slots.locked():
                     break
                 heapq.heappop(self._heap)
-                if self._ns_busy.get(key[0], 0) >= self._share():
+                if self._ns_busy.get(key[0], 0) >= self._share(key[0]):
                     self._parked.setdefault(key[0], []).append((due, seq, key))
                     continue
                 self._ns_busy[key[0]] = self._ns_busy.get(key[0], 0) + 1
@@ -277,10 +287,56 @@ class ProbeScheduler:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
 
-    def _share(self) -> int:
+    def _set_rate(self, key: Key, body: Mapping[str, Any] | None) -> None:
+        """Keep the namespace's cycles per second in step with the model's interval (None: forgotten)."""
+        namespace = key[0]
+        known = key in self._rates
+        rate = self._ns_rate.get(namespace, 0.0) - self._rates.pop(key, 0.0)
+        models = self._ns_models.get(namespace, 0) - known
+        if body is not None:
+            interval = float(((body.get("spec") or {}).get("probe") or {}).get("interval") or 60)
+            self._rates[key] = 1.0 / max(1.0, interval)
+            rate, models = rate + self._rates[key], models + 1
+        if models > 0:
+            self._ns_rate[namespace], self._ns_models[namespace] = max(0.0, rate), models
+        else:  # its last model: the namespace and what was learnt of its cycles go
+            for per_namespace in (self._ns_rate, self._ns_models, self._ns_cycle_s, self._shares):
+                per_namespace.pop(namespace, None)
+
+    def _resize_shares(self) -> None:
+        """Each namespace's cap from its demand (prober/shares.py), at most once per CACHE_SYNC_S.
+
+        A namespace's cycle seconds are its mean, or the mean age of its cycles in flight when that is
+        longer: cycles that never end must count before they end."""
+        now = self.clock()
+        if now - self._shared < CACHE_SYNC_S:
+            return
+        self._shared = now
+        ages: dict[str, list[float]] = {}
+        for key, started in self._started.items():
+            ages.setdefault(key[0], []).append(now - started)
+        demands: dict[str, float] = {}
+        for namespace, rate in self._ns_rate.items():
+            cycle_s = self._ns_cycle_s.get(namespace, shares.DEFAULT_CYCLE_S)
+            running = ages.get(namespace)
+            if running:
+                cycle_s = max(cycle_s, sum(running) / len(running))
+            demands[namespace] = shares.demand(rate, cycle_s)
+        self._shares = shares.fair_shares(demands, self.config.probe_concurrency)
+        self.metrics.slots_demanded.set(sum(demands.values()))
+        # A namespace whose share grew takes its parked models back now, not when a cycle of it ends
+        # (its cycles may be the ones that never end).
+        for namespace in [ns for ns in self._parked if self._ns_busy.get(ns, 0) < self._share(ns)]:
+            for entry in self._parked.pop(namespace):
+                heapq.heappush(self._heap, entry)
+
+    def _share(self, namespace: str) -> int:
         if self.namespace_share is not None:
             return max(1, self.namespace_share)
-        return max(1, self.config.probe_concurrency // NAMESPACE_SHARE_DIVISOR)
+        share = self._shares.get(namespace)
+        if share is None:  # new since the last resize: an even split until the next
+            return max(1, self.config.probe_concurrency // max(1, len(self._ns_rate)))
+        return share
 
     def _release_namespace(self, namespace: str) -> None:
         """One of the namespace's cycles ended: its parked due models go back on the heap (stale ones
@@ -298,6 +354,7 @@ class ProbeScheduler:
         assert self._wake is not None
         self.metrics.in_flight.inc()
         delay = NOT_READY_WAIT_S
+        started = self._started[model.key] = self.clock()
         try:
             result = await self.run_cycle(model.key)
             delay = result.next_delay_s
@@ -308,6 +365,15 @@ class ProbeScheduler:
             delay = INVALID_SPEC_WAIT_S
         finally:
             self.metrics.in_flight.dec()
+            self._started.pop(model.key, None)
+            namespace = model.key[0]
+            if self.cache is not None and not model.removed:  # its interval may have changed
+                body = self.cache.get(SERVED_MODEL_KIND, *model.key)
+                if body is not None:
+                    self._set_rate(model.key, body)
+            if namespace in self._ns_rate:
+                took = self.clock() - started
+                self._ns_cycle_s[namespace] = shares.mean_cycle_s(self._ns_cycle_s.get(namespace), took)
             self._slots.release()
             self._release_namespace(model.key[0])
             self._wake.set()

@@ -73,6 +73,12 @@ class ProbeMetrics:
             "Probe cycles running now (bounded by the scheduler's concurrency).",
             registry=registry,
         )
+        self.slots_demanded = Gauge(
+            "servedmodel_probe_slots_demanded",
+            "Probe slots the tracked ServedModels need, summed over namespaces (cycles started per second "
+            "times cycle seconds, and a margin for bunched starts); above the concurrency, starts run late.",
+            registry=registry,
+        )
         self.scheduled = Gauge(
             "servedmodel_probe_scheduled_models",
             "ServedModels the probe scheduler tracks.",
