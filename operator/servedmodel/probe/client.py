@@ -602,8 +602,14 @@ async def stream_chat(
         decoder = SSEDecoder(max_line=bounds.SSE_LINE_MAX_BYTES)
         wire = 0
         try:
+            # The kernel's receive time where the transport has it (probe/rxstamp.py; its clock is
+            # time.monotonic_ns): the probe's own hold-ups (GIL, scheduling, a busy loop) are not the
+            # engine's latency.
+            stamped = response if isinstance(response, LeanResponse) and clock is time.monotonic_ns else None
             async for chunk in response.aiter_raw():
                 t = clock()
+                if stamped is not None and stamped.arrived_ns is not None:
+                    t = min(t, stamped.arrived_ns)
                 wire += len(chunk)
                 for data in decoder.feed(chunk):
                     timing.on_event(data, t)

@@ -5,7 +5,8 @@ CPU in httpx's default transport stack, httpcore over anyio over h11, per reques
 (issue 21). This transport does the same wire work directly: one asyncio Protocol per TCP connection,
 kept alive per engine address and reused across the cycle's requests and the next cycle's; the response
 head parsed once; the body framed by Content-Length, the chunked transfer coding or the connection's end;
-and every read handed on as it came, so a streamed chat's chunks are timed when they were read, as before.
+and every read handed on as it came with the kernel's receive time (rxstamp.py), so a streamed chat's
+chunks are timed when they arrived, not when a busy loop got to them.
 Callers keep httpx's API: AsyncClient, Response, the trace extension's two marks the chat stream reads,
 and httpx's exceptions (ConnectError with the OS error as its cause, ConnectTimeout, ReadTimeout,
 WriteTimeout, RemoteProtocolError, LocalProtocolError), which errors.classify_transport_error maps.
@@ -23,6 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, cast
 
 import httpx
+
+from . import rxstamp
 
 # A response's status line and headers (httpcore allows h11 100 KiB too).
 HEAD_MAX_BYTES: Final = 100 * 1024
@@ -52,6 +55,9 @@ class _Wire(asyncio.Protocol):
         self.eof = False
         self.error: BaseException | None = None
         self.received = 0  # bytes received since the last request was sent
+        # The kernel's receive time of the newest bytes in buf (rxstamp.py; time.monotonic_ns), None
+        # without a stamp.
+        self.arrived_ns: int | None = None
         self._waiter: asyncio.Future[bool] | None = None
         self._read_paused = False
         self._write_paused = False
@@ -289,6 +295,8 @@ class _Body(httpx.AsyncByteStream):
     def __init__(self, pool: ProbeTransport, conn: _Conn, head: _Head, read_timeout: float | None) -> None:
         self._pool, self._conn, self._head, self._timeout = pool, conn, head, read_timeout
         self._finished = False
+        # When the kernel received the bytes last yielded (the newest of them), None without a stamp.
+        self.arrived_ns: int | None = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         wire, head, timeout = self._conn.wire, self._head, self._timeout
@@ -311,6 +319,7 @@ class _Body(httpx.AsyncByteStream):
                     del wire.buf[:left]
                 left -= len(data)
                 wire.consumed()
+                self.arrived_ns = wire.arrived_ns
                 yield data
         elif head.mode == "chunked":
             chunks = _Chunks()
@@ -318,6 +327,7 @@ class _Body(httpx.AsyncByteStream):
                 data = chunks.take(wire.buf) if wire.buf else b""
                 wire.consumed()
                 if data:
+                    self.arrived_ns = wire.arrived_ns
                     yield data
                 if chunks.done:
                     break
@@ -330,6 +340,7 @@ class _Body(httpx.AsyncByteStream):
                     data = bytes(wire.buf)
                     wire.buf.clear()
                     wire.consumed()
+                    self.arrived_ns = wire.arrived_ns
                     yield data
                 if wire.eof:
                     break
@@ -436,7 +447,7 @@ class ProbeTransport(httpx.AsyncBaseTransport):
         loop, host, port = key
         try:
             async with asyncio.timeout(connect_timeout):
-                _, wire = await loop.create_connection(lambda: _Wire(loop), host, port)
+                _, wire = await rxstamp.open_stamped(loop, lambda: _Wire(loop), host, port)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connect to {host}:{port} timed out") from None
         except OSError as exc:
@@ -600,6 +611,11 @@ class LeanResponse:
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return self._body.__aiter__()
+
+    @property
+    def arrived_ns(self) -> int | None:
+        """When the kernel received the bytes aiter_raw last gave (time.monotonic_ns; None: no stamp)."""
+        return self._body.arrived_ns
 
     async def aclose(self) -> None:
         await self._body.aclose()
