@@ -121,8 +121,9 @@ def on_written(controller: Controller) -> Callable[[str, Any, Any], None]:
     watch event then arrives older than the answer (ignored), and the answer's own event equal to it (no
     change): a new generation landing under a status write was never reconciled (a fresh-clone CI run:
     autoscaling applied while the first pass wrote Ready, no HPA in 120 s). Only the metadata is compared:
-    the status is what the writer wrote. A child needs nothing of this: its route enqueues the owner on
-    every event, an unchanged one included."""
+    the status is what the writer wrote. Routed here, the ServedModel's own event of that state is not
+    routed again (Cache.routed_on_write). A child needs nothing of this: its route enqueues the owner on
+    every event, the one of a state its write's answer stored included."""
 
     def written(kind: str, old: Any, new: Any) -> None:
         # nothing cached before (rare: passes start from the cache): its ADDED event would find this copy
@@ -135,4 +136,5 @@ def on_written(controller: Controller) -> Callable[[str, Any, Any], None]:
 def handlers(cache: Cache, controller: Controller) -> dict[str, Callable[[str, Any, Any], None]]:
     """The informers' handler of every watched kind; and the cache's write-through router (on_written)."""
     cache.on_written = on_written(controller)
+    cache.routed_on_write = {SERVED_MODEL}
     return {w.kind: route(w.kind, cache, controller) for w in WATCHES}

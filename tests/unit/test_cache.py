@@ -157,3 +157,29 @@ def test_a_late_404_for_the_old_object_leaves_the_recreated_one() -> None:
     cache.apply_event("ServedModel", "DELETED", sm("m", "old", 8))  # the watch catches up: still there
     assert cache.get("ServedModel", "a", "m") is not None
     assert not cache.upsert("ServedModel", sm("m", "old", 6))  # the old one's late answer stays out
+
+
+def test_the_event_of_a_state_written_through_is_stored_and_routed_once_for_a_routed_kind() -> None:
+    """The probe writes status every cycle; its answer is written through (and routed by on_written).
+    The watch event of that same state (equal resourceVersion) is then no change for such a kind; for a
+    kind whose events route what its write's answers carried in (a child), it is still a change. An
+    older event is stale for both, a newer one a change."""
+    cache = Cache()
+    cache.routed_on_write = {"ServedModel"}
+    routed: list[tuple[str, Any, Any]] = []
+    cache.on_written = lambda kind, old, new: routed.append((kind, old, new))
+    for kind in ("ServedModel", "Pod"):
+        first = pod("m", "m", rv=5) | {"kind": kind}
+        assert cache.apply_event(kind, "ADDED", first)
+        assert cache.upsert(kind, pod("m", "m", rv=7) | {"kind": kind})  # our write's answer
+        stored = cache.get(kind, "a", "m")
+        assert not cache.upsert(kind, pod("m", "m", rv=7) | {"kind": kind})  # a write that changed nothing
+        assert not cache.apply_event(kind, "MODIFIED", pod("m", "m", rv=6) | {"kind": kind})  # stale
+        assert cache.apply_event(kind, "MODIFIED", pod("m", "m", rv=7) | {"kind": kind}) == (kind == "Pod")
+        if kind == "ServedModel":
+            assert cache.get(kind, "a", "m") is stored  # not slimmed and stored again
+        assert cache.apply_event(kind, "MODIFIED", pod("m", "m", rv=8) | {"kind": kind})
+    assert [(kind, old["metadata"]["resourceVersion"]) for kind, old, _ in routed] == [
+        ("ServedModel", "5"),
+        ("Pod", "5"),
+    ]

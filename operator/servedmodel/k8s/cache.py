@@ -178,6 +178,9 @@ class Cache:
         # arrives older than, or equal to, what is stored and is routed as no change, so the operator
         # routes the answer here instead (watches.on_written).
         self.on_written: Callable[[str, Obj | None, Obj], None] | None = None
+        # Kinds whose written answers on_written routes as their events would be: a watch event of the
+        # state stored already is neither stored nor routed again (upsert).
+        self.routed_on_write: set[str] = set()
 
     # ---- writes (watch events, write-through) ----------------------------------------------------
 
@@ -189,7 +192,7 @@ class Cache:
     def apply_event(self, kind: str, event_type: EventType, obj: Mapping[str, Any]) -> bool:
         """One watch event (kopf's `type`: None for the initial listing, ADDED, MODIFIED, DELETED).
 
-        Returns True when the store changed (a stale event changes nothing)."""
+        Returns True when the store changed (a stale event changes nothing; see upsert for an equal one)."""
         self.track(kind)
         if event_type == "DELETED":
             return self._remove_object(kind, obj)
@@ -209,8 +212,15 @@ class Cache:
         old = bucket.get(str(name))
         if old is not None:
             old_rv, new_rv = _rv(old), _rv(obj)
-            if old_rv is not None and new_rv is not None and new_rv < old_rv:
-                return False
+            if old_rv is not None and new_rv is not None:
+                if new_rv < old_rv:
+                    return False  # stale
+                # The state stored already: a write's answer that changed nothing, or the watch event of
+                # our own write of a kind whose answers on_written routes in full (the probe's status
+                # write every cycle: slimmed and routed once, not twice). Other kinds' events are routed
+                # even then: their route enqueues the owner for what a write's answer carried in.
+                if new_rv == old_rv and (written or kind in self.routed_on_write):
+                    return False
             self._unindex(kind, namespace, str(name), old)
         stored = bucket[str(name)] = slim(obj, kind)
         instance = _instance(stored)
