@@ -305,6 +305,7 @@ class CycleRunner:
         probed: list[PodResult] = []
         started: list[StartupTimeline] = []
         plan: _Plan | None = None
+        previous: ProbeStatus | None = None  # status.probe as the cycle found it (parsed once)
         synced: dict[str, adapters.PodAdapters] | None = None
         if spec.external:
             out = await self.probe_external(model, spec)
@@ -349,8 +350,7 @@ class CycleRunner:
             )
         now = datetime.now(UTC)
         share = None
-        if plan is not None:
-            previous = previous_probe_status(status, model.last_patch)
+        if plan is not None:  # `previous` is the one parsed above: nothing was written since
             conds = status.get("conditions")
             share = adapters.compose_adapters(spec, synced, previous, plan.eligible, conds, generation, now)
         compatible = None
@@ -381,7 +381,7 @@ class CycleRunner:
             pods=probed,
         )
         if probed and plan is not None:
-            await self._after_pods(model, body, probed, plan, status, composed)
+            await self._after_pods(model, body, probed, plan, status, previous, composed)
         if patch == model.last_patch:
             return result
         before = serving_of(status.get("conditions"))
@@ -681,6 +681,7 @@ class CycleRunner:
         probed: list[PodResult],
         plan: _Plan,
         status: Mapping[str, Any],
+        previous: ProbeStatus | None,
         composed: Composed,
     ) -> None:
         """The composed readiness-gate writes (pods/status), and Events: for every pod whose Serving
@@ -689,7 +690,6 @@ class CycleRunner:
         namespace, name = model.key
         if model.removed:
             return
-        previous = previous_probe_status(status, model.last_patch)
         before = {p.name: p.serving for p in (previous.pods or [])} if previous is not None else {}
         for r in probed:
             pod = plan.pods.get(r.name)
