@@ -9,6 +9,7 @@ must never be contacted.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,20 +34,42 @@ def normalise_base_url(url: str) -> str:
     return u
 
 
-def parse_override(value: str | None, namespace: str, name: str) -> str | None:
-    """SERVEDMODEL_ENDPOINT_OVERRIDE: one URL for all, or 'ns/name=URL,ns2/name2=URL2'. None if no match."""
-    if not value or not value.strip():
-        return None
+@dataclass(frozen=True)
+class _Override:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE parsed: one URL for all, or per ServedModel, or per pod."""
+
+    everyone: str | None
+    models: dict[str, str]  # "ns/name" -> base URL
+    pods: dict[str, dict[str, str]]  # "ns/name" -> pod -> base URL
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(value: str) -> _Override:
+    """Parsed once per text (every cycle asks; a bench maps 1,000 ServedModels in one value)."""
     entries = [e.strip() for e in value.split(",") if e.strip()]
     if len(entries) == 1 and "=" not in entries[0]:
-        return normalise_base_url(entries[0])
+        return _Override(normalise_base_url(entries[0]), {}, {})
+    models: dict[str, str] = {}
+    pods: dict[str, dict[str, str]] = {}
     for entry in entries:
         key, sep, url = entry.partition("=")
         if not sep:
             continue
-        if key.strip() == f"{namespace}/{name}":
-            return normalise_base_url(url)
-    return None
+        key = key.strip()
+        parts = key.split("/")
+        if len(parts) == 2:
+            models.setdefault(key, normalise_base_url(url))
+        elif len(parts) == 3 and all(parts):
+            pods.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = normalise_base_url(url)
+    return _Override(None, models, pods)
+
+
+def parse_override(value: str | None, namespace: str, name: str) -> str | None:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE: one URL for all, or 'ns/name=URL,ns2/name2=URL2'. None if no match."""
+    if not value or not value.strip():
+        return None
+    override = _parsed(value)
+    return override.everyone or override.models.get(f"{namespace}/{name}")
 
 
 def parse_pod_overrides(value: str | None, namespace: str, name: str) -> dict[str, str]:
@@ -54,15 +77,9 @@ def parse_pod_overrides(value: str | None, namespace: str, name: str) -> dict[st
 
     They let tests and `make dev` give each (fake) engine pod its own local engine; a ServedModel with
     per-pod entries has only those pods probed (the others' addresses exist nowhere)."""
-    out: dict[str, str] = {}
     if not value:
-        return out
-    for entry in value.split(","):
-        key, sep, url = entry.strip().partition("=")
-        parts = key.strip().split("/")
-        if sep and len(parts) == 3 and parts[0] == namespace and parts[1] == name and parts[2]:
-            out[parts[2]] = normalise_base_url(url)
-    return out
+        return {}
+    return dict(_parsed(value).pods.get(f"{namespace}/{name}", {}))
 
 
 def pod_base_url(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> str | None:
