@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -155,13 +156,21 @@ async def measure(
     )
 
 
-def run_size(n: int, interval: int, settle: float, window: float) -> Fleet:
-    with (
-        controlplane.running() as cp,
-        SimulatorProcess([MODEL, "--max-model-len", "4096"]) as sim,
-    ):
+def override(n: int, sims: list[SimulatorProcess]) -> str:
+    """SERVEDMODEL_ENDPOINT_OVERRIDE: every model to the one simulator, or model i to simulator i mod k."""
+    if len(sims) == 1:
+        return sims[0].base_url
+    return ",".join(f"{NAMESPACE}/m{i:04d}={sims[i % len(sims)].base_url}" for i in range(n))
+
+
+def run_size(n: int, interval: int, settle: float, window: float, simulators: int = 1) -> Fleet:
+    with controlplane.running() as cp, contextlib.ExitStack() as stack:
+        sims = [
+            stack.enter_context(SimulatorProcess([MODEL, "--max-model-len", "4096"]))
+            for _ in range(min(simulators, n))
+        ]
         prepare(cp, NAMESPACE)
-        with OperatorProcess(cp, NAMESPACE, endpoint_override=sim.base_url, quiet=True) as op:
+        with OperatorProcess(cp, NAMESPACE, endpoint_override=override(n, sims), quiet=True) as op:
             return asyncio.run(measure(cp, op, n, interval, settle, window))
 
 
@@ -199,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-interval", type=int, default=5, help="interval of a lone model, s")
     parser.add_argument("--settle", type=float, default=60.0, help="after all are probed, s")
     parser.add_argument("--window", type=float, default=120.0, help="measured window, s")
+    parser.add_argument(
+        "--simulators",
+        type=int,
+        default=1,
+        help="simulator processes the models are spread over (default 1: one engine answers every model's "
+        "probes, its own event loop the queue for all of them)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
     if args.window < max(args.interval, args.single_interval):
@@ -206,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     fleets = []
     for n in (int(s) for s in args.sizes.split(",")):
         interval = args.single_interval if n == 1 else args.interval
-        fleets.append(run_size(n, interval, args.settle, args.window))
+        fleets.append(run_size(n, interval, args.settle, args.window, args.simulators))
         print(f"N = {n}: {json.dumps(asdict(fleets[-1]))}", flush=True)
     print()
     print(table(fleets))
