@@ -35,7 +35,7 @@ SCM_TIMESTAMPNS: Final = SO_TIMESTAMPNS
 _TIMESPEC: Final = struct.Struct("@ll")
 STAMPS: Final = sys.platform == "linux"
 
-READ_SIZE: Final = 256 * 1024
+READ_SIZE: Final = 64 * 1024  # what one recvmsg takes (a bytes object this size is allocated per read)
 ANCILLARY_SIZE: Final = socket.CMSG_SPACE(_TIMESPEC.size) if STAMPS else 0
 WRITE_HIGH_WATER: Final = 64 * 1024
 
