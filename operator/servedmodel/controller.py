@@ -229,6 +229,11 @@ class Controller:
         else:
             self.queue.add((namespace, name))
 
+    @property
+    def backlog(self) -> int:
+        """Keys queued and not yet taken by a worker (every worker is busy while any are)."""
+        return len(self.queue)
+
     def forget(self, namespace: str, name: str) -> None:
         """The object is gone: drop its failure count."""
         self.backoff.forget((namespace, name))

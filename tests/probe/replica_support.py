@@ -99,6 +99,7 @@ class Cluster:
             self.gate_writes.append((name, cond))
             conds = [c for c in self.pods[name]["status"]["conditions"] if c["type"] != cond["type"]]
             self.pods[name]["status"]["conditions"] = [*conds, cond]
+            _next_version(self.pods[name])
             return self.pods[name]
         key = (namespace or "", name)
         if key not in self.objects:
@@ -106,6 +107,7 @@ class Cluster:
         self.writes.append((*key, status))
         obj = self.objects[key]
         obj["status"] = {**(obj.get("status") or {}), **status}
+        _next_version(obj)
         return obj
 
     async def create_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str) -> Any:
@@ -150,6 +152,14 @@ def served_model(**probe: Any) -> dict[str, Any]:
         },
         "status": {"phase": "Ready", "readyReplicas": 3},
     }
+
+
+def _next_version(obj: dict[str, Any]) -> None:
+    """A write moves the object's resourceVersion on, as the API server's does (the cache keeps a write's
+    answer only when it is newer than what it holds)."""
+    meta = obj.get("metadata") or {}
+    if str(meta.get("resourceVersion", "")).isdigit():
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
 
 
 def scheduler(

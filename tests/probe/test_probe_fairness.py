@@ -187,3 +187,35 @@ def test_the_probes_clock_ignores_a_blocked_main_loop(faults: SimulatorProcess) 
         assert (client["ttftMs"] - server["ttftMs"]) / server["e2eMs"] < 0.5, (client, server)
 
     asyncio.run(main())
+
+
+def test_probes_keep_to_a_few_slots_while_the_reconciler_has_work_waiting(silent_port: int) -> None:
+    """12 due models, 16 slots: while the reconciler has keys waiting (yield_to), 4 cycles run (YIELD_SLOTS:
+    1,000 ServedModels created at once were Ready later with 32 first probes beside their reconciles);
+    once its backlog is gone, every one of them."""
+
+    async def main() -> tuple[int, int]:
+        kube = Cluster()
+        silent = f"http://127.0.0.1:{silent_port}"
+        for i in range(12):
+            kube.add(external("a", f"silent-{i}", silent, timeout=600, firstByteTimeout=600))
+        backlog = {"keys": 7}
+        sched: ProbeScheduler = replica_support.scheduler(kube, seed=5, probe_concurrency=16)
+        sched.yield_to = lambda: backlog["keys"] > 0
+        for body in kube.objects.values():
+            sched.track(body)
+        await sched.start()
+        try:
+            await asyncio.sleep(3.0)  # every first due time is within 0.5 s; shares resize every second
+            while_busy = busy(sched, "a")
+            backlog["keys"] = 0
+            for _ in range(100):
+                if busy(sched, "a") == 12:
+                    break
+                await asyncio.sleep(0.1)
+            after = busy(sched, "a")
+        finally:
+            await sched.stop()
+        return while_busy, after
+
+    assert asyncio.run(main()) == (4, 12)

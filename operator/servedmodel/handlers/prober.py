@@ -6,6 +6,7 @@ follows the cache's ServedModels itself, so no handler feeds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from servedmodel.prober import ProbeMetrics, ProbeScheduler
@@ -23,6 +24,14 @@ def _enqueue(memo: Any) -> Any:
     return enqueue if callable(enqueue) else None
 
 
+def _reconciler_backlog(memo: Any) -> Callable[[], bool] | None:
+    """Whether the reconciler has keys waiting for a worker (the scheduler yields while it has)."""
+    controller = getattr(memo, "controller", None)
+    if controller is None or not hasattr(controller, "backlog"):
+        return None
+    return lambda: controller.backlog > 0
+
+
 async def start_scheduler(memo: Any) -> ProbeScheduler:
     """Make and start the scheduler once (memo.probe_scheduler); idempotent."""
     scheduler = getattr(memo, "probe_scheduler", None)
@@ -34,6 +43,7 @@ async def start_scheduler(memo: Any) -> ProbeScheduler:
         metrics=PROBE_METRICS,
         cache=getattr(memo, "cache", None),
         enqueue=_enqueue(memo),
+        yield_to=_reconciler_backlog(memo),
         owns=getattr(getattr(memo, "membership", None), "owns", None),
     )
     memo.probe_scheduler = scheduler

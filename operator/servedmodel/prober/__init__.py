@@ -10,8 +10,10 @@ sharding, where `owns` picks this replica's share). One task for all models, not
 - Concurrency: at most `OperatorConfig.probe_concurrency` cycles run at once; a due model waits for a
   slot, earliest due first. One namespace holds at most its share of the slots: max-min fair shares
   sized from each namespace's demand (prober/shares.py), so a lone tenant gets all it needs, and 16 models
-  of one tenant pointed at a listener that never answers leave the other tenants' probes on time. A
-  cycle's requests all fit in probe.client.cycle_budget_s.
+  of one tenant pointed at a listener that never answers leave the other tenants' probes on time. While
+  the reconciler has keys waiting for a worker (`yield_to`), at most YIELD_SLOTS cycles run: a thousand
+  models created at once are reconciled first and probed as they come. A cycle's requests all fit in
+  probe.client.cycle_budget_s.
 - The probe's clock: each cycle's requests (door, tokenize, /metrics, the timed streams) run on a
   ProbeLoop (probe/loop.py), an event loop in its own thread that does nothing else, so the main loop's
   watch events, reconciles and status writes do not become "engine latency". The scheduler, Secrets and
