@@ -10,7 +10,7 @@ warm-up, then a window of --window seconds in which the probe cycles started
 1 s late (the histogram's le=1.0 bucket) are counted. Between configurations the operators stop with
 SIGTERM (their member Leases are deleted).
 
-    .venv/bin/python bench/probe_sharding.py                      # 60 models every 10 s, 2 slots each
+    .venv/bin/python bench/probe_sharding.py                      # 60 models every 10 s, 1 slot each
     .venv/bin/python bench/probe_sharding.py -n 90 --window 90
 """
 
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-n", type=int, default=60, help="ServedModels")
     parser.add_argument("--interval", type=int, default=10, help="probe interval, s")
-    parser.add_argument("--concurrency", type=int, default=2, help="probe cycles at once per replica")
+    # 1: before namespaces got demand-sized shares (2026-12-06) a replica's 2 slots were 1 for this
+    # bench's one namespace (a fixed quarter, at least 1), which is what its earlier figures measured.
+    parser.add_argument("--concurrency", type=int, default=1, help="probe cycles at once per replica")
     parser.add_argument("--warmup", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
