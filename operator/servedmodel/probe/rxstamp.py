@@ -26,7 +26,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 # <asm-generic/socket.h>: SO_TIMESTAMPNS (the "old" one: a struct timespec of two longs) and its control
 # message type, the same number. Python 3.11's socket module names neither.
@@ -38,12 +38,6 @@ STAMPS: Final = sys.platform == "linux"
 READ_SIZE: Final = 64 * 1024  # what one recvmsg takes (a bytes object this size is allocated per read)
 ANCILLARY_SIZE: Final = socket.CMSG_SPACE(_TIMESPEC.size) if STAMPS else 0
 WRITE_HIGH_WATER: Final = 64 * 1024
-
-
-class Stamped(Protocol):
-    """What a protocol driven by StampedTransport has besides asyncio.Protocol's callbacks."""
-
-    arrived_ns: int | None
 
 
 P = TypeVar("P", bound=asyncio.Protocol)
@@ -66,7 +60,7 @@ class StampedTransport(asyncio.Transport):
     def __init__(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: asyncio.Protocol
     ) -> None:
-        super().__init__()
+        super().__init__({"socket": sock})  # BaseTransport.get_extra_info reads this
         self._loop, self._sock, self._protocol = loop, sock, protocol
         self._fd = sock.fileno()
         self._closing = False
@@ -103,9 +97,6 @@ class StampedTransport(asyncio.Transport):
         if not self._reading and not self._closing:
             self._loop.add_reader(self._fd, self._read_ready)
             self._reading = True
-
-    def is_reading(self) -> bool:
-        return self._reading
 
     # -- writing
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -146,12 +137,6 @@ class StampedTransport(asyncio.Transport):
         if self._closing:
             self._loop.call_soon(self._lost, None)
 
-    def get_write_buffer_size(self) -> int:
-        return len(self._out)
-
-    def can_write_eof(self) -> bool:
-        return False
-
     # -- ending
     def is_closing(self) -> bool:
         return self._closing
@@ -189,16 +174,6 @@ class StampedTransport(asyncio.Transport):
             self._protocol.connection_lost(exc if isinstance(exc, Exception) or exc is None else None)
         finally:
             self._sock.close()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        if name == "socket":
-            return self._sock
-        if name == "peername":
-            try:
-                return self._sock.getpeername()
-            except OSError:
-                return default
-        return default
 
 
 async def open_stamped(
