@@ -52,32 +52,42 @@ def busy(sched: ProbeScheduler, namespace: str) -> int:
     return sum(1 for key, m in sched._models.items() if key[0] == namespace and m.task and not m.task.done())
 
 
+def silent_scheduler(port: int, models: int) -> ProbeScheduler:
+    """`models` ServedModels of namespace a whose engine accepts and never answers, 16 slots."""
+    kube = Cluster()
+    for i in range(models):
+        kube.add(external("a", f"silent-{i}", f"http://127.0.0.1:{port}", timeout=600, firstByteTimeout=600))
+    sched: ProbeScheduler = replica_support.scheduler(kube, seed=5, probe_concurrency=16)
+    for body in kube.objects.values():
+        sched.track(body)
+    return sched
+
+
+async def until_busy(sched: ProbeScheduler, namespace: str, n: int) -> int:
+    """The namespace's cycles in flight once they are `n`, or after 10 s (every first due time is within
+    0.5 s of the start; shares resize every second)."""
+    for _ in range(100):
+        if busy(sched, namespace) == n:
+            break
+        await asyncio.sleep(0.1)
+    return busy(sched, namespace)
+
+
 def test_a_lone_namespace_gets_the_slots_its_demand_needs(silent_port: int) -> None:
     """12 models of one namespace whose engine never answers, 16 slots, nobody else: every one of them
     runs (before demand-sized shares a namespace held a fixed quarter, 4, and a fleet of one tenant's
     1,000 models every 60 s started every cycle late). Their cycles' ages raise the demand past the
     first estimate (1 s cycles: 9 slots), and the parked models start as the share grows."""
 
-    async def main() -> None:
-        kube = Cluster()
-        silent = f"http://127.0.0.1:{silent_port}"
-        for i in range(12):
-            kube.add(external("a", f"silent-{i}", silent, timeout=600, firstByteTimeout=600))
-        sched: ProbeScheduler = replica_support.scheduler(kube, seed=5, probe_concurrency=16)
-        for body in kube.objects.values():
-            sched.track(body)
+    async def main() -> int:
+        sched = silent_scheduler(silent_port, 12)
         await sched.start()
         try:
-            for _ in range(100):  # every first due time is within 0.5 s; shares resize every second
-                if busy(sched, "a") == 12:
-                    break
-                await asyncio.sleep(0.1)
-            running = busy(sched, "a")
+            return await until_busy(sched, "a", 12)
         finally:
             await sched.stop()
-        assert running == 12
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == 12
 
 
 def test_sixteen_silent_endpoints_in_one_namespace_do_not_starve_another(
@@ -195,27 +205,16 @@ def test_probes_keep_to_a_few_slots_while_the_reconciler_has_work_waiting(silent
     once its backlog is gone, every one of them."""
 
     async def main() -> tuple[int, int]:
-        kube = Cluster()
-        silent = f"http://127.0.0.1:{silent_port}"
-        for i in range(12):
-            kube.add(external("a", f"silent-{i}", silent, timeout=600, firstByteTimeout=600))
         backlog = {"keys": 7}
-        sched: ProbeScheduler = replica_support.scheduler(kube, seed=5, probe_concurrency=16)
+        sched = silent_scheduler(silent_port, 12)
         sched.yield_to = lambda: backlog["keys"] > 0
-        for body in kube.objects.values():
-            sched.track(body)
         await sched.start()
         try:
             await asyncio.sleep(3.0)  # every first due time is within 0.5 s; shares resize every second
             while_busy = busy(sched, "a")
             backlog["keys"] = 0
-            for _ in range(100):
-                if busy(sched, "a") == 12:
-                    break
-                await asyncio.sleep(0.1)
-            after = busy(sched, "a")
+            return while_busy, await until_busy(sched, "a", 12)
         finally:
             await sched.stop()
-        return while_busy, after
 
     assert asyncio.run(main()) == (4, 12)
