@@ -142,3 +142,41 @@ def test_a_stamp_is_never_later_than_the_read_and_belongs_to_the_newest_bytes() 
     assert arrived is not None
     assert arrived <= read_at
     assert 90 <= (arrived - start) / 1e6 < 400, (arrived - start) / 1e6  # the second send's, ~100 ms
+
+
+def test_abort_after_a_close_that_waits_for_its_writes_still_closes_the_socket() -> None:
+    """close() with bytes still to send waits for them; an abort() then drops them and ends the connection
+    (connection_lost once, the socket closed), as the loop's own transports do."""
+
+    class Lost(asyncio.Protocol):
+        arrived_ns: int | None = None
+        lost = 0
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.lost += 1
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        transport, protocol = await rxstamp.open_stamped(loop, Lost, *listener.getsockname())
+        peer, _ = listener.accept()  # never reads: the kernel's buffers fill and the rest waits
+        with peer:
+            transport.write(b"x" * (16 * 1024 * 1024))
+            sock = transport.get_extra_info("socket")
+            transport.close()
+            transport.abort()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return sock.fileno(), protocol.lost
+
+    loop = new_probe_loop()
+    try:
+        fileno, lost = loop.run_until_complete(main())
+    finally:
+        loop.close()
+        listener.close()
+    assert fileno == -1
+    assert lost == 1

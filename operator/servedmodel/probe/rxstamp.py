@@ -155,23 +155,22 @@ class StampedTransport(asyncio.Transport):
     def abort(self) -> None:
         self._abort(None)
 
-    def _abort(self, exc: BaseException | None) -> None:
+    def _abort(self, exc: Exception | None) -> None:
         if self._sock.fileno() < 0:
             return
-        was_closing, self._closing = self._closing, True
+        self._closing = True
         self._loop.remove_reader(self._fd)
         self._reading = False
         if self._out:
             self._loop.remove_writer(self._fd)
             self._out.clear()
-        if not was_closing or exc is not None:  # _lost runs once: it closes the socket
-            self._loop.call_soon(self._lost, exc)
+        self._loop.call_soon(self._lost, exc)  # once, however often scheduled: it closes the socket
 
-    def _lost(self, exc: BaseException | None) -> None:
+    def _lost(self, exc: Exception | None) -> None:
         if self._sock.fileno() < 0:
             return
         try:
-            self._protocol.connection_lost(exc if isinstance(exc, Exception) or exc is None else None)
+            self._protocol.connection_lost(exc)
         finally:
             self._sock.close()
 
