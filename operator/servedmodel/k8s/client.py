@@ -596,14 +596,20 @@ class KubeClient:
         if named:
             url = f"{url}/{meta['name']}"
 
+        what = f"{method} {r.kind} {meta.get('namespace')}/{meta.get('name')}"
+        return await self._answer(what, method, url, json=obj)
+
+    async def _answer(self, what: str, method: str, url: str, **request: Any) -> Obj:
+        """One plain request (retried as _call does) whose 200 or 201 answer is the object it wrote."""
+
         async def call() -> Obj:
-            response = await self._http.request(method, url, json=obj)
+            response = await self._http.request(method, url, **request)
             if response.status_code not in (200, 201):
                 raise _response_error(response, await response.aread())
             written: Obj = response.json()
             return written
 
-        return await self._call(f"{method} {r.kind} {meta.get('namespace')}/{meta.get('name')}", call)
+        return await self._call(what, call)
 
     async def create_review(self, review: Obj) -> Obj:
         """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
@@ -645,16 +651,8 @@ class KubeClient:
         url = f"{self.path(r, namespace)}/{name}{subresource}"
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
         content = json.dumps(body, separators=(",", ":")).encode()
-
-        async def call() -> Obj:
-            response = await self._http.request("PATCH", url, params=params, content=content, headers=_APPLY)
-            if response.status_code not in (200, 201):
-                raise _response_error(response, await response.aread())
-            written: Obj = response.json()
-            return written
-
         what = f"APPLY {r.kind}{subresource} {namespace}/{name}"
-        return await self._call(what, call)
+        return await self._answer(what, "PATCH", url, params=params, content=content, headers=_APPLY)
 
     async def apply_status(
         self,
