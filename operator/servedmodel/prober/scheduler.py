@@ -42,6 +42,12 @@ YIELD_SLOTS: Final = 4
 YIELD_POLL_S: Final = 0.5
 
 
+def rate_of(body: Mapping[str, Any]) -> float:
+    """A ServedModel's probe cycles per second: 1 / spec.probe.interval (60 s when not given)."""
+    interval = float(((body.get("spec") or {}).get("probe") or {}).get("interval") or 60)
+    return 1.0 / max(1.0, interval)
+
+
 def first_due(
     now: float, interval: float, last_probe_time: str | None, wall_now: datetime, rng: random.Random
 ) -> float:
@@ -93,14 +99,11 @@ class ProbeScheduler:
     _task: asyncio.Task[None] | None = field(default=None, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
     _ns_busy: dict[str, int] = field(default_factory=dict, init=False)
-    _running: int = field(default=0, init=False)  # cycles in flight
-    # Per namespace: its models' cycles started per second (sum of 1 / interval), its mean cycle seconds,
+    # Each tracked model's cycles per second (1 / its interval); per namespace, its cycles' mean seconds,
     # and the cap on its slots those give (prober/shares.py; recomputed at most once per CACHE_SYNC_S).
     _rates: dict[Key, float] = field(default_factory=dict, init=False)
-    _ns_rate: dict[str, float] = field(default_factory=dict, init=False)
-    _ns_models: dict[str, int] = field(default_factory=dict, init=False)
     _ns_cycle_s: dict[str, float] = field(default_factory=dict, init=False)
-    _started: dict[Key, float] = field(default_factory=dict, init=False)
+    _started: dict[Key, float] = field(default_factory=dict, init=False)  # cycles in flight: since when
     _shares: dict[str, int] = field(default_factory=dict, init=False)
     _shared: float = field(default=float("-inf"), init=False)
     # Due models whose namespace held its share: back on the heap when one of its cycles ends.
@@ -141,7 +144,7 @@ class ProbeScheduler:
             self._unplaced.append(key)
             self.metrics.scheduled.set(len(self._models))
         model.body = dict(body)
-        self._set_rate(key, body)
+        self._rates[key] = rate_of(body)
         if not model.placed and self._wake is not None:
             self._wake.set()
 
@@ -153,7 +156,7 @@ class ProbeScheduler:
         model.removed = True
         if model.task is not None and not model.task.done():
             model.task.cancel()
-        self._set_rate((namespace, name), None)
+        self._rates.pop((namespace, name), None)
         self.metrics.forget(namespace, name)
         self.metrics.scheduled.set(len(self._models))
 
@@ -282,7 +285,7 @@ class ProbeScheduler:
                     continue
                 self._ns_busy[key[0]] = self._ns_busy.get(key[0], 0) + 1
                 await self._slots.acquire()
-                self._running += 1  # here, not in the task: the next turn of this loop counts it
+                self._started[key] = now  # here, not in the task: the next turn of this loop counts it
                 self.metrics.lateness.observe(max(0.0, now - due))
                 model.task = asyncio.get_running_loop().create_task(
                     self._cycle_task(model), name=f"probe {key[0]}/{key[1]}"
@@ -301,23 +304,7 @@ class ProbeScheduler:
 
     def _yielding(self) -> bool:
         """YIELD_SLOTS cycles run and the reconciler has keys waiting: start no more for now."""
-        return self.yield_to is not None and self._running >= YIELD_SLOTS and self.yield_to()
-
-    def _set_rate(self, key: Key, body: Mapping[str, Any] | None) -> None:
-        """Keep the namespace's cycles per second in step with the model's interval (None: forgotten)."""
-        namespace = key[0]
-        known = key in self._rates
-        rate = self._ns_rate.get(namespace, 0.0) - self._rates.pop(key, 0.0)
-        models = self._ns_models.get(namespace, 0) - known
-        if body is not None:
-            interval = float(((body.get("spec") or {}).get("probe") or {}).get("interval") or 60)
-            self._rates[key] = 1.0 / max(1.0, interval)
-            rate, models = rate + self._rates[key], models + 1
-        if models > 0:
-            self._ns_rate[namespace], self._ns_models[namespace] = max(0.0, rate), models
-        else:  # its last model: the namespace and what was learnt of its cycles go
-            for per_namespace in (self._ns_rate, self._ns_models, self._ns_cycle_s, self._shares):
-                per_namespace.pop(namespace, None)
+        return self.yield_to is not None and len(self._started) >= YIELD_SLOTS and self.yield_to()
 
     def _resize_shares(self) -> None:
         """Each namespace's cap from its demand (prober/shares.py), at most once per CACHE_SYNC_S.
@@ -328,11 +315,16 @@ class ProbeScheduler:
         if now - self._shared < CACHE_SYNC_S:
             return
         self._shared = now
+        rates: dict[str, float] = {}
+        for (namespace, _), rate in self._rates.items():
+            rates[namespace] = rates.get(namespace, 0.0) + rate
+        # a namespace whose last model went takes what was learnt of its cycles with it
+        self._ns_cycle_s = {ns: s for ns, s in self._ns_cycle_s.items() if ns in rates}
         ages: dict[str, list[float]] = {}
         for key, started in self._started.items():
             ages.setdefault(key[0], []).append(now - started)
         demands: dict[str, float] = {}
-        for namespace, rate in self._ns_rate.items():
+        for namespace, rate in rates.items():
             cycle_s = self._ns_cycle_s.get(namespace, shares.DEFAULT_CYCLE_S)
             running = ages.get(namespace)
             if running:
@@ -351,7 +343,7 @@ class ProbeScheduler:
             return max(1, self.namespace_share)
         share = self._shares.get(namespace)
         if share is None:  # new since the last resize: an even split until the next
-            return max(1, self.config.probe_concurrency // max(1, len(self._ns_rate)))
+            return max(1, self.config.probe_concurrency // (len(self._shares) + 1))
         return share
 
     def _release_namespace(self, namespace: str) -> None:
@@ -370,7 +362,7 @@ class ProbeScheduler:
         assert self._wake is not None
         self.metrics.in_flight.inc()
         delay = NOT_READY_WAIT_S
-        started = self._started[model.key] = self.clock()
+        started = self._started.get(model.key, self.clock())
         try:
             result = await self.run_cycle(model.key)
             delay = result.next_delay_s
@@ -381,14 +373,13 @@ class ProbeScheduler:
             delay = INVALID_SPEC_WAIT_S
         finally:
             self.metrics.in_flight.dec()
-            self._running -= 1
             self._started.pop(model.key, None)
             namespace = model.key[0]
             if self.cache is not None and not model.removed:  # its interval may have changed
                 body = self.cache.get(SERVED_MODEL_KIND, *model.key)
                 if body is not None:
-                    self._set_rate(model.key, body)
-            if namespace in self._ns_rate:
+                    self._rates[model.key] = rate_of(body)
+            if model.key in self._rates:
                 took = self.clock() - started
                 self._ns_cycle_s[namespace] = shares.mean_cycle_s(self._ns_cycle_s.get(namespace), took)
             self._slots.release()
