@@ -36,7 +36,8 @@ def test_what_the_reconciler_reads_does() -> None:
     assert reconciler_inputs(body(ok)) != reconciler_inputs(body(ok, generation=2))
 
 
-async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
+def recording_controller() -> tuple[Controller, list[tuple[str, str]]]:
+    """A Controller (never started) whose enqueues are recorded in the list returned with it."""
     enqueued: list[tuple[str, str]] = []
 
     async def reconcile(key: tuple[str, str]) -> None:
@@ -44,6 +45,11 @@ async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
 
     controller = Controller(reconcile, list, workers=1, resync_interval_s=0)
     controller.enqueue = lambda ns, name, after=0.0: enqueued.append((ns, name))  # type: ignore[method-assign]
+    return controller, enqueued
+
+
+async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
+    controller, enqueued = recording_controller()
     cache = Cache()
     child = {
         "metadata": {
@@ -62,13 +68,7 @@ async def test_a_child_event_of_a_forgotten_owner_enqueues_nothing() -> None:
 def test_a_write_answer_carrying_a_new_generation_enqueues_and_our_own_status_does_not() -> None:
     """Cache.on_written (watches.on_written): a status write answered with the user's newer spec hides
     that spec's watch event (older than the answer, then one equal to it), so the answer is routed."""
-    enqueued: list[tuple[str, str]] = []
-
-    async def reconcile(key: tuple[str, str]) -> None:
-        return None
-
-    controller = Controller(reconcile, list, workers=1, resync_interval_s=0)
-    controller.enqueue = lambda ns, name, after=0.0: enqueued.append((ns, name))  # type: ignore[method-assign]
+    controller, enqueued = recording_controller()
     cache = Cache()
     routed = handlers(cache, controller)["ServedModel"]  # the cache's on_written wired too
 
