@@ -19,7 +19,11 @@ from servedmodel.k8s import load_identity
 
 
 def bindable(port: int) -> bool:
+    """Whether a listener could bind `port` now, as the operator's next try does: with SO_REUSEADDR (as
+    asyncio's and aiohttp's servers set it), so a /healthz connection left in TIME_WAIT on the port (the
+    server closed first) does not count, and a socket still listening on it does (Linux refuses that)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
