@@ -22,6 +22,7 @@ from servedmodel.probe.loop import new_probe_loop
 FIRST_TOKEN_S = 0.05  # the engine's first token, after the request
 SECOND_TOKEN_S = 0.60
 HOLD_UP_S = 0.50  # the probe's loop blocked from 10 ms after the request for this long
+HELD_S = 0.2  # the loop still blocked after the sender's last bytes went in
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -106,30 +107,38 @@ def test_a_stamp_is_never_later_than_the_read_and_belongs_to_the_newest_bytes() 
     listener.bind(("127.0.0.1", 0))
     listener.listen()
 
+    second: list[int] = []  # time.monotonic_ns() just before and just after the second send
+    sent = threading.Event()
+
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
             time.sleep(0.05)
             conn.sendall(b"one")
             time.sleep(0.05)
+            second.append(time.monotonic_ns())
             conn.sendall(b"two")
+            second.append(time.monotonic_ns())
+            sent.set()
             time.sleep(0.3)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
 
-    async def main() -> tuple[int, list[tuple[int, int | None, bytes]]]:
+    async def main() -> list[tuple[int, int | None, bytes]]:
         loop = asyncio.get_running_loop()
         transport, recorder = await rxstamp.open_stamped(loop, Recorder, *listener.getsockname())
-        start = time.monotonic_ns()
-        time.sleep(0.4)  # noqa: ASYNC251  (both sends arrive while the loop is blocked)
+        # The loop blocked until both sends are in (however late a loaded machine runs the sender's
+        # thread), then HELD_S more: the one read comes at least that long after the newest bytes.
+        assert sent.wait(10), "the sender never sent"  # blocking the loop is the point
+        time.sleep(HELD_S)  # noqa: ASYNC251
         await asyncio.sleep(0.05)
         transport.close()
-        return start, recorder.reads
+        return recorder.reads
 
     loop = new_probe_loop()
     try:
-        start, reads = loop.run_until_complete(main())
+        reads = loop.run_until_complete(main())
     finally:
         loop.close()
         thread.join(5)
@@ -140,8 +149,11 @@ def test_a_stamp_is_never_later_than_the_read_and_belongs_to_the_newest_bytes() 
         assert arrived is None
         return
     assert arrived is not None
-    assert arrived <= read_at
-    assert 90 <= (arrived - start) / 1e6 < 400, (arrived - start) / 1e6  # the second send's, ~100 ms
+    # The second send's arrival (loopback delivers inside sendall; 5 ms for the wall → monotonic
+    # conversion, whose two clock reads can be preempted apart), not the first's (50 ms before) and
+    # not the read's (HELD_S after).
+    assert second[0] - 5_000_000 <= arrived <= second[1] + 5_000_000, (arrived - second[0]) / 1e6
+    assert read_at - arrived >= HELD_S * 1e9, (read_at - arrived) / 1e6
 
 
 def test_abort_after_a_close_that_waits_for_its_writes_still_closes_the_socket() -> None:
