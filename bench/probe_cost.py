@@ -1,7 +1,7 @@
 """What one probe cycle costs the operator: CPU and requests per cycle, the full request path every cycle
 against the operator's mix (a full path, then FULL_PATH_EVERY - 1 light cycles: probe/client.PathMemo),
 for each way of running the probe: asyncio's or uvloop's event loop, httpx's own transport or the
-probe's HTTP/1.1 transport (probe/http11.py).
+probe's HTTP/1.1 transport (wire/http11.py).
 
 One simulator on loopback, one probing process. Each way runs on its own ProbeLoop (a thread with its own
 event loop, as in the operator) with its own client; the cycles are submitted from the main loop. The ways

@@ -70,7 +70,7 @@ OPERATOR_IMAGE
 _._parse_targets  # @field_validator, called by pydantic
 _.log_message  # wsgiref.simple_server.WSGIRequestHandler.log_message, called by http.server
 _.reviews  # MetricsAuthorizer.reviews
-# asyncio.Protocol's callbacks, called by the event loop (probe/http11.py's _Wire: one per connection).
+# asyncio.Protocol's callbacks, called by the event loop (wire/http11.py's _Wire: one per connection).
 _.connection_made
 _.data_received
 _.eof_received

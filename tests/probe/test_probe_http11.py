@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 from servedmodel.api.probe import ProbeSpec
-from servedmodel.probe import errors, http11
+from servedmodel.probe import errors
 from servedmodel.probe.client import PathMemo, PodMetrics, probe_client, probe_transport, run_probe
 from servedmodel.probe.endpoints import resolve_external
-from servedmodel.probe.http11 import ProbeTransport
 from servedmodel.sim.process import SimulatorProcess
+from servedmodel.wire import http11
+from servedmodel.wire.http11 import LeanTransport
 
 Reader, Writer = asyncio.StreamReader, asyncio.StreamWriter
 Script = Callable[[Reader, Writer, int], Awaitable[None]]  # (reader, writer, connection number)
@@ -345,7 +346,7 @@ async def test_https_goes_to_the_fallback() -> None:
         seen.append(str(request.url))
         return httpx.Response(200, text="fallback")
 
-    transport = ProbeTransport(httpx.MockTransport(handler))
+    transport = LeanTransport(httpx.MockTransport(handler))
     async with httpx.AsyncClient(transport=transport) as c:
         assert (await c.get("https://engine.example/v1/models")).text == "fallback"
     assert seen == ["https://engine.example/v1/models"]

@@ -1,5 +1,5 @@
-"""The probe's requests under httpx's client (probe/http11.ProbeClient, issue 21): the probe's own client
-sends its http:// requests straight to the ProbeTransport. What must not change: the bytes an engine
+"""The probe's requests under httpx's client (probe/http11.LeanClient, issue 21): the probe's own client
+sends its http:// requests straight to the LeanTransport. What must not change: the bytes an engine
 receives, the answers and errors the probe reads, and the two marks the chat's timing takes from the
 transport; and a client with an event hook (or closed) still goes through httpx's client layer.
 """
@@ -18,7 +18,7 @@ from test_probe_http11 import Raw, Reader, Writer, chunked
 
 from servedmodel.api.probe import ProbeSpec
 from servedmodel.config import OperatorConfig
-from servedmodel.probe import bounds, errors, http11
+from servedmodel.probe import bounds, errors
 from servedmodel.probe.client import (
     PathMemo,
     PodMetrics,
@@ -32,6 +32,7 @@ from servedmodel.probe.endpoints import resolve_external
 from servedmodel.probe.errors import ProbeFailure
 from servedmodel.prober.cycle import CycleRunner
 from servedmodel.sim.process import SimulatorProcess
+from servedmodel.wire import http11
 
 SPEC = ProbeSpec()
 SSE = [
@@ -97,7 +98,7 @@ async def test_an_engine_receives_the_same_bytes_and_the_probe_reads_the_same_an
 
     async with Raw(script) as raw:
         async with http_client(SPEC, probe_transport()) as lean:
-            assert isinstance(lean, http11.ProbeClient)
+            assert isinstance(lean, http11.LeanClient)
             assert lean.lean is not None
             got_lean = await exchange_all(lean, raw.url)
         lean_heads = list(raw.heads)
@@ -217,7 +218,7 @@ async def test_probe_cycles_go_under_httpx_client(
 
 
 async def test_the_operators_cycle_clients_go_under_httpx_client_over_the_one_pool() -> None:
-    """The prober's per-cycle clients (prober/cycle.CycleRunner) send straight to its one ProbeTransport."""
+    """The prober's per-cycle clients (prober/cycle.CycleRunner) send straight to its one LeanTransport."""
     runner = CycleRunner(
         kube=None,  # type: ignore[arg-type]
         config=OperatorConfig(),
@@ -230,9 +231,9 @@ async def test_the_operators_cycle_clients_go_under_httpx_client_over_the_one_po
         rng=random.Random(0),
     )
     first, second = runner._client(SPEC), runner._client(SPEC)
-    assert isinstance(first, http11.ProbeClient)
-    assert isinstance(second, http11.ProbeClient)
-    assert isinstance(first.lean, http11.ProbeTransport)
+    assert isinstance(first, http11.LeanClient)
+    assert isinstance(second, http11.LeanClient)
+    assert isinstance(first.lean, http11.LeanTransport)
     assert first.lean is second.lean
     assert first.lean_for(httpx.URL("http://10.0.0.1:8000/health"))
     assert not first.lean_for(httpx.URL("https://engine.example/health"))

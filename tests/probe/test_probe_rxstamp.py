@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from servedmodel.api.probe import ProbeSpec
-from servedmodel.probe import rxstamp
 from servedmodel.probe.client import probe_client, stream_chat
 from servedmodel.probe.loop import new_probe_loop
+from servedmodel.wire import rxstamp
 
 FIRST_TOKEN_S = 0.05  # the engine's first token, after the request
 SECOND_TOKEN_S = 0.60

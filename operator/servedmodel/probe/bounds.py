@@ -20,9 +20,10 @@ from typing import Any, Final
 
 import httpx
 
+from servedmodel.wire.http11 import LeanClient, LeanHeaders, LeanResponse
+
 from . import errors
 from .errors import ProbeFailure, snippet
-from .http11 import LeanHeaders, LeanResponse, ProbeClient
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
@@ -173,10 +174,10 @@ def parsed_url(text: str) -> httpx.URL:
     return httpx.URL(text)
 
 
-def lean_of(client: httpx.AsyncClient, url: str | httpx.URL) -> tuple[ProbeClient, httpx.URL] | None:
+def lean_of(client: httpx.AsyncClient, url: str | httpx.URL) -> tuple[LeanClient, httpx.URL] | None:
     """The client and the parsed URL where a request to `url` can skip httpx's client layer
-    (http11.ProbeClient), else None."""
-    if not isinstance(client, ProbeClient) or client.lean is None:
+    (http11.LeanClient), else None."""
+    if not isinstance(client, LeanClient) or client.lean is None:
         return None
     target = url if isinstance(url, httpx.URL) else parsed_url(url)
     return (client, target) if client.lean_for(target) else None

@@ -36,6 +36,7 @@ import httpx
 
 from servedmodel.api.families import family_of
 from servedmodel.api.probe import ProbeCheck, ProbeSpec
+from servedmodel.wire.http11 import LeanClient, LeanResponse, LeanTransport
 
 from . import bounds, errors
 from .checks import (
@@ -50,7 +51,6 @@ from .checks import (
 )
 from .endpoints import ProbeTarget
 from .errors import ProbeFailure
-from .http11 import LeanResponse, ProbeClient, ProbeTransport
 from .loop import GC_WATCH, PROBE_STALL_S, PROBE_WATCH_PERIOD_S, LoopWatch, watch_of
 from .metrics import METRICS_QUERY, MetricsSnapshot, WindowDelta, combine, delta, parse_metrics
 from .sse import (
@@ -1096,14 +1096,14 @@ class _NoCookies(http.cookiejar.CookieJar):
 
 
 def http_client(
-    spec: ProbeSpec, transport: httpx.AsyncBaseTransport, *, lean: ProbeTransport | None = None
+    spec: ProbeSpec, transport: httpx.AsyncBaseTransport, *, lean: LeanTransport | None = None
 ) -> httpx.AsyncClient:
     """An AsyncClient with the spec's limits over `transport`: no environment proxies (probes go
     straight to the engine), no cookies kept. The probe's own requests to http:// engines go straight
-    to `lean` (`transport` itself when it is a ProbeTransport), under httpx's client layer."""
-    if lean is None and isinstance(transport, ProbeTransport):
+    to `lean` (`transport` itself when it is a LeanTransport), under httpx's client layer."""
+    if lean is None and isinstance(transport, LeanTransport):
         lean = transport
-    return ProbeClient(
+    return LeanClient(
         lean=lean, transport=transport, timeout=http_timeout(spec), trust_env=False, cookies=_NoCookies()
     )
 
@@ -1111,7 +1111,7 @@ def http_client(
 def probe_transport(*, verify: bool = True) -> httpx.AsyncBaseTransport:
     """The probe's transport: its own HTTP/1.1 client for http:// engines (probe/http11.py), httpx's for
     https:// and the rest; no environment proxies (probes go straight to the engine)."""
-    return ProbeTransport(httpx.AsyncHTTPTransport(verify=verify, trust_env=False))
+    return LeanTransport(httpx.AsyncHTTPTransport(verify=verify, trust_env=False))
 
 
 @contextlib.asynccontextmanager

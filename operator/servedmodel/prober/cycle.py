@@ -71,7 +71,6 @@ from servedmodel.probe.compose import (
 from servedmodel.probe.endpoints import parse_override, parse_pod_overrides, pod_base_url, resolve_override
 from servedmodel.probe.errors import ProbeFailure
 from servedmodel.probe.group import WorkerWindow, check_worker, group_verdicts
-from servedmodel.probe.http11 import ProbeTransport
 from servedmodel.probe.loop import ProbeLoop
 from servedmodel.probe.replicas import (
     TEMPLATE_CHANGED,
@@ -86,6 +85,7 @@ from servedmodel.probe.replicas import (
 from servedmodel.probe.report import parse_rfc3339
 from servedmodel.probe.schedule import NOT_READY_WAIT_S, next_delay
 from servedmodel.render.autoscaling import scaled_object_name
+from servedmodel.wire.http11 import LeanTransport
 
 from . import adapters
 from .sources import Sources
@@ -268,7 +268,7 @@ class CycleRunner:
     def _client(self, spec: ProbeSpec) -> httpx.AsyncClient:
         """A client with this model's limits over the one connection pool."""
         pool = self._pool()
-        return http_client(spec, _Shared(pool), lean=pool if isinstance(pool, ProbeTransport) else None)
+        return http_client(spec, _Shared(pool), lean=pool if isinstance(pool, LeanTransport) else None)
 
     def closers(self) -> list[Any]:
         """The clients to close on the probe loop, whose connections they hold (the scheduler's stop)."""

@@ -292,7 +292,7 @@ class _Body(httpx.AsyncByteStream):
     """A response body as its reads arrive; the connection goes back to the pool once the body is whole
     (and both sides allow), and is closed when the body is left unfinished."""
 
-    def __init__(self, pool: ProbeTransport, conn: _Conn, head: _Head, read_timeout: float | None) -> None:
+    def __init__(self, pool: LeanTransport, conn: _Conn, head: _Head, read_timeout: float | None) -> None:
         self._pool, self._conn, self._head, self._timeout = pool, conn, head, read_timeout
         self._finished = False
         # When the kernel received the bytes last yielded (the newest of them), None without a stamp.
@@ -354,7 +354,7 @@ class _Body(httpx.AsyncByteStream):
             self._conn.close()
 
 
-class ProbeTransport(httpx.AsyncBaseTransport):
+class LeanTransport(httpx.AsyncBaseTransport):
     """httpx transport: http:// over the probe's own HTTP/1.1 client, keep-alive per address and event
     loop; everything else through `fallback`. Timeouts are the request's (httpx's timeout extension):
     connect, read (per wait for more bytes, the response head's first included) and write."""
@@ -569,8 +569,8 @@ async def _read_head(conn: _Conn, method: bytes, read_timeout: float | None, reu
 #
 # Why: in a light cycle (two /metrics scrapes and the streamed chat) httpx's client layer, the Request
 # and URL models, header merging, the cookie hooks and the Response with its stream wrappers, was the
-# largest part of the operator's CPU left (issue 21). A ProbeClient sends the probe's own requests to its
-# ProbeTransport directly, with the very bytes httpx would have sent (tests/probe/test_probe_http11.py
+# largest part of the operator's CPU left (issue 21). A LeanClient sends the probe's own requests to its
+# LeanTransport directly, with the very bytes httpx would have sent (tests/probe/test_probe_http11.py
 # holds them equal), and hands back a LeanResponse with the few things the probe reads of an answer.
 
 
@@ -621,11 +621,11 @@ class LeanResponse:
         await self._body.aclose()
 
 
-class ProbeClient(httpx.AsyncClient):
+class LeanClient(httpx.AsyncClient):
     """An AsyncClient whose plain http:// requests may skip its client layer for `lean`, the
-    ProbeTransport under it (`lean_for`); anything it cannot send as httpx would goes through httpx."""
+    LeanTransport under it (`lean_for`); anything it cannot send as httpx would goes through httpx."""
 
-    def __init__(self, *, lean: ProbeTransport | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, lean: LeanTransport | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.lean = lean
 
