@@ -26,6 +26,7 @@ from servedmodel.k8s import (
     ApiError,
     ConflictError,
     CredentialsError,
+    GoneError,
     Identity,
     KubeClient,
     UnreachableError,
@@ -305,6 +306,97 @@ async def test_401_rereads_a_rotated_token_file(api: FakeApiServer, tmp_path: Pa
         api.accept_tokens = {"newer"}
         assert await client.get("apps/v1", "deployments", "ns1", "m1") == DEPLOYMENT
     assert [s.headers["Authorization"] for s in api.seen] == ["Bearer new", "Bearer newer"]
+
+
+async def test_401_on_a_write_rereads_a_rotated_token_file(api: FakeApiServer, tmp_path: Path) -> None:
+    """The writes go over the lean client (not httpx): the same refresh on 401, once."""
+    token = tmp_path / "token"
+    token.write_text("old")
+    api.on("PATCH", DEPLOY, (200, DEPLOYMENT))
+    async with KubeClient(identity(api.url, token_file=str(token)), backoff_base_s=0.001) as client:
+        await client.identity.credential()  # read "old" now
+        token.write_text("rotated")
+        api.accept_tokens = {"rotated"}
+        assert await client.apply(DEPLOYMENT, "servedmodel-operator") == DEPLOYMENT
+        assert client.requests == {("PATCH", 401): 1, ("PATCH", 200): 1}
+    assert [s.headers["Authorization"] for s in api.seen] == ["Bearer old", "Bearer rotated"]
+
+
+async def test_writes_are_capped_retried_and_counted(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    api.delay_s = 0.05
+    api.on("PATCH", DEPLOY, (503, status_body(503, "ServiceUnavailable", "busy")), (200, DEPLOYMENT))
+    async with client_for(max_inflight=3) as client:
+        await asyncio.gather(*(client.apply(DEPLOYMENT, "servedmodel-operator") for _ in range(12)))
+        assert client.requests == {("PATCH", 503): 1, ("PATCH", 200): 12}
+        assert client.in_flight == 0
+    assert api.peak_concurrency == 3
+    assert {s.headers["Authorization"] for s in api.seen} == {"Bearer s3cr3t-token"}
+
+
+async def test_create_and_replace_send_json_and_map_a_conflict(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    api.on("POST", "/apis/apps/v1/namespaces/ns1/deployments", (201, DEPLOYMENT))
+    api.on("PUT", DEPLOY, (409, status_body(409, "Conflict", "the object has been modified")))
+    async with client_for() as client:
+        assert await client.create(DEPLOYMENT) == DEPLOYMENT
+        with pytest.raises(ConflictError, match="the object has been modified"):
+            await client.replace(
+                {**DEPLOYMENT, "metadata": {**DEPLOYMENT["metadata"], "resourceVersion": "7"}}
+            )
+    assert api.seen[0].headers["Content-Type"] == "application/json"
+    assert api.seen[0].body == DEPLOYMENT
+    assert api.seen[1].body["metadata"]["resourceVersion"] == "7"
+
+
+async def test_watch_reassembles_events_split_across_reads(api: FakeApiServer) -> None:
+    """A watch's events as the server flushes them: one split mid-line, two in one read, the last line
+    without its newline; then an ERROR event (410) ends it as GoneError."""
+    lines = [json.dumps({"type": t, "object": {"metadata": {"name": f"m{i}", "resourceVersion": str(i)}}})
+             for i, t in enumerate(["ADDED", "MODIFIED", "BOOKMARK", "DELETED"])]  # fmt: skip
+    error = json.dumps({"type": "ERROR", "object": status_body(410, "Expired", "too old resource version")})
+    pieces = [
+        lines[0][:10],
+        lines[0][10:] + "\n" + lines[1][:3],
+        lines[1][3:] + "\n\n" + lines[2] + "\n",
+        lines[3],
+    ]
+    queries: list[dict[str, str]] = []
+
+    async def watch(request: web.Request) -> web.StreamResponse:
+        queries.append(dict(request.query))
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        for piece in pieces if len(queries) == 1 else [error + "\n"]:
+            await response.write(piece.encode())
+            await asyncio.sleep(0.02)  # each its own read
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/apis/apps/v1/namespaces/ns1/deployments", watch)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with KubeClient(identity(f"http://127.0.0.1:{port}", token="t")) as client:
+            events = [
+                (t, o["metadata"]["name"])
+                async for t, o in client.watch("apps/v1", "deployments", "ns1", resource_version="5")
+            ]
+            assert events == [("ADDED", "m0"), ("MODIFIED", "m1"), ("BOOKMARK", "m2"), ("DELETED", "m3")]
+            with pytest.raises(GoneError, match="too old resource version"):
+                async for _ in client.watch("apps/v1", "deployments", "ns1", resource_version="1"):
+                    pass
+    finally:
+        await runner.cleanup()
+    assert queries[0]["watch"] == "1"
+    assert queries[0]["resourceVersion"] == "5"
+    assert queries[0]["allowWatchBookmarks"] == "true"
 
 
 # ---- identity -------------------------------------------------------------------------------------

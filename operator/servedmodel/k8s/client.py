@@ -2,8 +2,12 @@
 operator that calls the API server; kopf's watches are the other half, with the same identity).
 
 Objects in and out are plain dicts (the API's JSON); resources are named by (apiVersion, plural) or,
-for applies, by the object's (apiVersion, kind). lightkube builds every URL, encodes every body, speaks
-server-side apply (also on /status) and decodes errors; this module adds what an operator needs on top:
+for applies, by the object's (apiVersion, kind). lightkube builds the URLs and bodies of reads, deletes,
+merge patches and Events and decodes their errors. The hot requests, writes whose answer is the object
+(server-side apply, also on /status; create; replace) and watches, go as plain requests over the
+operator's own HTTP/1.1 client (wire/http11.py) instead: httpx's stack under them was most of a probe
+cycle's status write and of a reconcile's applies at 1,000 ServedModels (issue 21's profiles). This
+module adds what an operator needs on top:
 
 - one identity (k8s/identity.py) whose token goes into each request's Authorization header, refreshed
   once on a 401 (rotated service-account tokens, expired exec-plugin tokens);
@@ -24,11 +28,12 @@ import logging
 import random
 import secrets
 import time
+import urllib.parse
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import httpx2 as httpx
 import lightkube
@@ -43,6 +48,7 @@ from lightkube.generic_resource import (
 from lightkube.types import CascadeType, PatchType
 
 from servedmodel.api.base import Obj
+from servedmodel.wire.http11 import LeanResponse, LeanTransport, WireError
 
 from .identity import Identity
 
@@ -198,10 +204,20 @@ def _status_error(code: int, reason: str, message: str) -> ApiError:
     return cls(code, reason, message)
 
 
-_APPLY: Final = {"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"}
+def _watch_event(line: bytes) -> tuple[str, Obj]:
+    """One line of a watch's stream as (type, object); an ERROR event raises its status's ApiError."""
+    event = json.loads(line)
+    type_, obj = str(event.get("type") or ""), event.get("object") or {}
+    if type_ == "ERROR":
+        code = int(obj.get("code") or 0)
+        raise _status_error(code, str(obj.get("reason") or "Error"), str(obj.get("message") or ""))
+    return type_, obj
 
 
-def _response_error(response: httpx.Response, body: bytes) -> ApiError:
+_APPLY_PATCH: Final = "application/apply-patch+yaml"
+
+
+def _response_error(response: httpx.Response | LeanResponse, body: bytes) -> ApiError:
     """An error answer (its Status object when the body is one) as an ApiError."""
     reason, message = response.reason_phrase or "Error", body[:500].decode("utf-8", "replace")
     try:
@@ -213,14 +229,37 @@ def _response_error(response: httpx.Response, body: bytes) -> ApiError:
     return _status_error(response.status_code, reason, message)
 
 
+class _Answer(Protocol):
+    """What the cap needs of an answer, httpx's or the lean client's."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+_A = TypeVar("_A", bound=_Answer)
+
+
 class _AuthTransport(httpx.AsyncBaseTransport):
-    """Every request of our client passes here: the in-flight cap, the identity's Authorization header
-    (one retry with a refreshed credential on 401), and the request count."""
+    """Every request of our client passes here, httpx's (`handle_async_request`) and the lean client's
+    (`lean`): the in-flight cap, the identity's Authorization header (one retry with a refreshed
+    credential on 401), and the request count."""
 
     def __init__(
-        self, inner: httpx.AsyncBaseTransport, identity: Identity, max_inflight: int, user_agent: str
+        self,
+        inner: httpx.AsyncBaseTransport,
+        lean: LeanTransport,
+        identity: Identity,
+        max_inflight: int,
+        user_agent: str,
     ) -> None:
         self._inner = inner
+        self._lean = lean
+        server = urllib.parse.urlsplit(identity.server)
+        self._host, self._netloc = server.hostname or "", server.netloc
+        self._port = server.port or (443 if server.scheme == "https" else 80)
+        self._prefix = server.path.rstrip("/")  # a server URL with a path (an API proxy's)
         self._user_agent = user_agent
         self._identity = identity
         self._slots = asyncio.Semaphore(max_inflight)
@@ -234,20 +273,57 @@ class _AuthTransport(httpx.AsyncBaseTransport):
         self.in_flight = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._capped(request.method, lambda refresh: self._send(request, refresh=refresh))
+
+    async def lean(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str | int] | None,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeouts: dict[str, float | None],
+    ) -> LeanResponse:
+        """`method` on `path` (with `params`) over the lean client; its answer once its head is here
+        (the caller reads or closes it)."""
+        target = urllib.parse.quote(self._prefix + path, safe="/:@!$&'()*+,;=-._~")
+        if params:
+            target += "?" + urllib.parse.urlencode(params)
+
+        async def send(refresh: bool) -> LeanResponse:
+            header = (await self._identity.credential(refresh=refresh)).header()
+            fields = {"Accept": "application/json", "User-Agent": self._user_agent, **headers}
+            if header:
+                fields["Authorization"] = header
+            wire = _wire_request(method, target, self._netloc, fields, body)
+            try:
+                response = await self._lean.send(
+                    self._host, self._port, wire, method.encode("ascii"), timeouts
+                )
+            except Exception:
+                self.requests[(method, 0)] += 1
+                raise
+            self.requests[(method, response.status_code)] += 1
+            return response
+
+        return await self._capped(method, send)
+
+    async def _capped(self, method: str, send: Callable[[bool], Awaitable[_A]]) -> _A:
+        """`send` (its argument: refresh the credential) within a slot, again refreshed on a 401."""
         queued = time.monotonic()
         async with self._slots:
             self.in_flight += 1
             started = time.monotonic()
-            self.slot_wait_s[request.method] += started - queued
+            self.slot_wait_s[method] += started - queued
             try:
-                response = await self._send(request, refresh=False)
+                response = await send(False)
                 if response.status_code == 401 and self._identity.tokens is not None:
                     await response.aclose()
-                    response = await self._send(request, refresh=True)
+                    response = await send(True)
                 return response
             finally:
                 self.in_flight -= 1
-                self.response_s[request.method] += time.monotonic() - started
+                self.response_s[method] += time.monotonic() - started
 
     async def _send(self, request: httpx.Request, *, refresh: bool) -> httpx.Response:
         header = (await self._identity.credential(refresh=refresh)).header()
@@ -263,7 +339,23 @@ class _AuthTransport(httpx.AsyncBaseTransport):
         return response
 
     async def aclose(self) -> None:
+        await self._lean.aclose()
         await self._inner.aclose()
+
+
+def _wire_request(
+    method: str, target: str, netloc: str, headers: Mapping[str, str], body: bytes | None
+) -> bytes:
+    """The request as sent: its line, Host, `headers` (and Content-Length of a body), then the body."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}"]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\0" in value:
+            raise ValueError(f"illegal {name} header")  # a credential must not end the request's head
+        lines.append(f"{name}: {value}")
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head if body is None else head + body
 
 
 class KubeClient:
@@ -293,7 +385,15 @@ class KubeClient:
             limits=httpx.Limits(max_connections=max_inflight, max_keepalive_connections=max_inflight),
             trust_env=False,
         )
-        self._transport = _AuthTransport(inner, identity, max_inflight, user_agent)
+        # The writes' and watches' client: TLS with the identity's context (CA, client certificate), kept
+        # alive up to the in-flight cap, 30 s idle (a new TLS session costs more than the idle socket).
+        lean = LeanTransport(tls=identity.ssl_context(), idle_per_host=max_inflight, keepalive_expiry_s=30.0)
+        self.timeouts: dict[str, float | None] = {
+            "connect": connect_timeout_s,
+            "read": read_timeout_s,
+            "write": 10.0,
+        }
+        self._transport = _AuthTransport(inner, lean, identity, max_inflight, user_agent)
         self._lk = lightkube.AsyncClient(
             config=identity.tls_config(),
             namespace=identity.namespace,
@@ -381,7 +481,7 @@ class KubeClient:
                 )
             try:
                 return await fn()
-            except (lightkube.ApiError, httpx.HTTPError) as e:
+            except (lightkube.ApiError, httpx.HTTPError, WireError) as e:
                 error = _error(e)
             except ApiError as e:  # the plain requests' answers (list_at, create, replace)
                 error = e
@@ -556,26 +656,26 @@ class KubeClient:
             params["resourceVersion"] = resource_version
         if label_selector:
             params["labelSelector"] = label_selector
-        timeout = httpx.Timeout(connect=5.0, read=timeout_s + 30.0, write=10.0, pool=30.0)
+        timeouts: dict[str, float | None] = {"connect": 5.0, "read": timeout_s + 30.0, "write": 10.0}
         try:
-            async with self._http.stream(
-                "GET", self.path(r, namespace), params=params, timeout=timeout
-            ) as response:
-                if response.status_code != 200:
-                    raise _response_error(response, await response.aread())
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    type_, obj = str(event.get("type") or ""), event.get("object") or {}
-                    if type_ == "ERROR":
-                        code = int(obj.get("code") or 0)
-                        raise _status_error(
-                            code, str(obj.get("reason") or "Error"), str(obj.get("message") or "")
-                        )
-                    yield type_, obj
-        except httpx.HTTPError as e:
+            response = await self._transport.lean("GET", self.path(r, namespace), params, None, {}, timeouts)
+        except WireError as e:
             raise _error(e) from None
+        try:
+            if response.status_code != 200:
+                raise _response_error(response, await response.aread())
+            rest = b""  # an event's first bytes, its line not ended yet
+            async for data in response.aiter_raw():
+                *lines, rest = (rest + data).split(b"\n") if rest else data.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _watch_event(line)
+            if rest.strip():
+                yield _watch_event(rest)
+        except WireError as e:
+            raise _error(e) from None
+        finally:
+            await response.aclose()
 
     # ---- writes ----------------------------------------------------------------------------------
 
@@ -597,16 +697,29 @@ class KubeClient:
             url = f"{url}/{meta['name']}"
 
         what = f"{method} {r.kind} {meta.get('namespace')}/{meta.get('name')}"
-        return await self._answer(what, method, url, json=obj)
+        return await self._answer(what, method, url, json.dumps(obj, separators=(",", ":")).encode())
 
-    async def _answer(self, what: str, method: str, url: str, **request: Any) -> Obj:
+    async def _answer(
+        self,
+        what: str,
+        method: str,
+        path: str,
+        body: bytes,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Obj:
         """One plain request (retried as _call does) whose 200 or 201 answer is the object it wrote."""
+        headers = {"Content-Type": content_type}
 
         async def call() -> Obj:
-            response = await self._http.request(method, url, **request)
+            response = await self._transport.lean(method, path, params, body, headers, self.timeouts)
+            try:
+                data = await response.aread()
+            finally:
+                await response.aclose()
             if response.status_code not in (200, 201):
-                raise _response_error(response, await response.aread())
-            written: Obj = response.json()
+                raise _response_error(response, data)
+            written: Obj = json.loads(data)
             return written
 
         return await self._call(what, call)
@@ -652,7 +765,7 @@ class KubeClient:
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
         content = json.dumps(body, separators=(",", ":")).encode()
         what = f"APPLY {r.kind}{subresource} {namespace}/{name}"
-        return await self._answer(what, "PATCH", url, params=params, content=content, headers=_APPLY)
+        return await self._answer(what, "PATCH", url, content, _APPLY_PATCH, params)
 
     async def apply_status(
         self,

@@ -1,4 +1,5 @@
-"""The probe's own HTTP/1.1 transport for plain http:// engines, under httpx's client API.
+"""The operator's own HTTP/1.1 client: the probe's for plain http:// engines, under httpx's client API, and
+the Kubernetes client's for the API server over TLS.
 
 Why: a light probe cycle (two /metrics scrapes and one streamed chat) spent about 10 ms of the operator's
 CPU in httpx's default transport stack, httpcore over anyio over h11, per request and per streamed chunk
@@ -11,14 +12,18 @@ Callers keep httpx's API: AsyncClient, Response, the trace extension's two marks
 and httpx's exceptions (ConnectError with the OS error as its cause, ConnectTimeout, ReadTimeout,
 WriteTimeout, RemoteProtocolError, LocalProtocolError), which errors.classify_transport_error maps.
 
-Only http:// goes this way (engine pods are addressed by IP and port, without TLS); https:// (external
-endpoints, Prometheus) and anything else goes to `fallback`, httpx's own transport. No connection cap:
-a cycle's requests are bounded by the scheduler (probe slots, max_in_flight), not by the pool.
+A transport speaks one scheme: http:// (engine pods are addressed by IP and port, without TLS), or, given
+a TLS context, https:// (the API server: k8s/client.py writes and watches through it, as the probe's light
+cycle does, since httpx's stack was most of a status write's CPU at 1,000 ServedModels). Anything else
+(for the probe: external https:// endpoints, Prometheus) goes to `fallback`, httpx's own transport.
+Receive stamps are taken on plain TCP only (TLS decrypts in user space, after the socket's read). No
+connection cap: callers bound their requests (the probe's slots; the Kubernetes client's in-flight cap).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, cast
@@ -37,6 +42,10 @@ READ_HIGH_WATER: Final = 256 * 1024
 # (uvicorn) closes an idle keep-alive connection itself, so the probe rarely sends on one being closed.
 KEEPALIVE_EXPIRY_S: Final = 4.0
 IDLE_PER_HOST: Final = 16
+
+# What the client raises: httpx's transport errors (ConnectError, ReadTimeout, RemoteProtocolError, ...),
+# as the probe's callers under httpx's API expect; callers outside httpx catch this.
+WireError: Final = httpx.TransportError
 
 _HEX: Final = frozenset(b"0123456789abcdefABCDEF")
 _NO_BODY_STATUS: Final = frozenset({204, 304})
@@ -355,31 +364,37 @@ class _Body(httpx.AsyncByteStream):
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
-    """httpx transport: http:// over the probe's own HTTP/1.1 client, keep-alive per address and event
-    loop; everything else through `fallback`. Timeouts are the request's (httpx's timeout extension):
-    connect, read (per wait for more bytes, the response head's first included) and write."""
+    """httpx transport: http:// (or with `tls`, https://) over the operator's own HTTP/1.1 client,
+    keep-alive per address and event loop; everything else through `fallback`. Timeouts are the
+    request's (httpx's timeout extension): connect, read (per wait for more bytes, the response head's
+    first included) and write."""
 
     def __init__(
         self,
-        fallback: httpx.AsyncBaseTransport,
+        fallback: httpx.AsyncBaseTransport | None = None,
         *,
+        tls: ssl.SSLContext | None = None,
         keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
         idle_per_host: int = IDLE_PER_HOST,
     ) -> None:
         self._fallback = fallback
+        self._tls = tls
+        self.scheme = "http" if tls is None else "https"
         self._expiry, self._idle_per_host = keepalive_expiry_s, idle_per_host
         self._idle: dict[_Key, list[_Conn]] = {}
         self._swept = time.monotonic()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        if url.scheme != "http":
+        if url.scheme != self.scheme:
+            if self._fallback is None:
+                raise httpx.UnsupportedProtocol(f"{url.scheme}:// on a {self.scheme}:// transport")
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, float | None] = request.extensions.get("timeout") or {}
         trace: Trace | None = request.extensions.get("trace")
         head, body = await self.exchange(
             url.host,
-            url.port or 80,
+            url.port or (80 if self._tls is None else 443),
             await _encode(request),
             request.method.encode("ascii"),
             timeouts,
@@ -432,6 +447,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             return head, _Body(self, conn, head, read_timeout)
         raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
 
+    async def send(
+        self, host: str, port: int, wire_request: bytes, method: bytes, timeouts: dict[str, float | None]
+    ) -> LeanResponse:
+        """`exchange`, its answer as a LeanResponse (the caller reads or closes it)."""
+        head, body = await self.exchange(host, port, wire_request, method, timeouts)
+        return LeanResponse(head, body)
+
     async def _acquire(
         self, key: _Key, connect_timeout: float | None, *, fresh: bool = False
     ) -> tuple[_Conn, bool]:
@@ -447,7 +469,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         loop, host, port = key
         try:
             async with asyncio.timeout(connect_timeout):
-                _, wire = await rxstamp.open_stamped(loop, lambda: _Wire(loop), host, port)
+                if self._tls is None:
+                    _, wire = await rxstamp.open_stamped(loop, lambda: _Wire(loop), host, port)
+                else:  # asyncio's TLS under the same protocol (ssl.SSLError is an OSError: ConnectError)
+                    _, wire = await loop.create_connection(lambda: _Wire(loop), host, port, ssl=self._tls)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connect to {host}:{port} timed out") from None
         except OSError as exc:
@@ -492,7 +517,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     conn.close()
                 elif not owner.is_closed():
                     owner.call_soon_threadsafe(conn.close)
-        await self._fallback.aclose()
+        if self._fallback is not None:
+            await self._fallback.aclose()
 
 
 async def _encode(request: httpx.Request) -> bytes:
@@ -604,10 +630,19 @@ def _header_text(value: bytes) -> str:
 class LeanResponse:
     """An answer of the lean path: status, headers, and the body read raw as it comes."""
 
-    __slots__ = ("_body", "headers", "status_code")
+    __slots__ = ("_body", "_reason", "headers", "status_code")
 
     def __init__(self, head: _Head, body: _Body) -> None:
         self.status_code, self.headers, self._body = head.status, LeanHeaders(head.headers), body
+        self._reason = head.reason
+
+    @property
+    def reason_phrase(self) -> str:
+        return self._reason.decode("latin-1")
+
+    async def aread(self) -> bytes:
+        """The whole body (the connection goes back to the pool once it is read)."""
+        return b"".join([part async for part in self._body])
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return self._body.__aiter__()
