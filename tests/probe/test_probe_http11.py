@@ -158,6 +158,43 @@ async def test_each_read_of_a_stream_is_handed_on_when_it_comes(client: httpx.As
     assert seen[1][1] - seen[0][1] > gap_s * 0.8
 
 
+@pytest.mark.parametrize("framing", ["chunked", "close"])
+async def test_bytes_that_came_while_the_caller_held_a_read_are_not_left_waiting(
+    client: httpx.AsyncClient, framing: str
+) -> None:
+    """A caller slow with one read (a watch's consumer held up, a probe thread waiting for the GIL): the
+    rest of the body, come meanwhile, is handed on at the caller's next step, not when yet more bytes
+    come (none do: the connection stays open, so waiting for them was a read timeout or a watch stuck
+    one event behind)."""
+    held = asyncio.Event()
+
+    async def script(reader: Reader, writer: Writer, _: int) -> None:
+        await raw.request(reader)
+        if framing == "chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b"first")[:-5])
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\n\r\nfirst")
+        await writer.drain()
+        await held.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n" if framing == "chunked" else b"second")
+        await writer.drain()
+        if framing == "close":
+            await asyncio.sleep(3.0)  # the body ends only when the connection does: after the read limit
+            writer.write(b"!")
+
+    limits = httpx.Timeout(1.0)
+    async with Raw(script) as raw, client.stream("GET", raw.url, timeout=limits) as r:
+        seen: list[bytes] = []
+        async for chunk in r.aiter_raw():
+            seen.append(chunk)
+            if len(seen) == 1:
+                held.set()
+                await asyncio.sleep(0.2)  # the rest arrives now, while this read is held
+            if b"second" in b"".join(seen):
+                break
+    assert b"".join(seen) == b"firstsecond"
+
+
 async def test_connection_close_and_a_body_to_the_end_are_read_whole_and_not_reused(
     client: httpx.AsyncClient,
 ) -> None:

@@ -338,6 +338,7 @@ class _Body(httpx.AsyncByteStream):
                 if data:
                     self.arrived_ns = wire.arrived_ns
                     yield data
+                    continue  # what came in while the caller had `data` is read before waiting for more
                 if chunks.done:
                     break
                 if wire.eof:
@@ -351,6 +352,7 @@ class _Body(httpx.AsyncByteStream):
                     wire.consumed()
                     self.arrived_ns = wire.arrived_ns
                     yield data
+                    continue  # as above
                 if wire.eof:
                     break
                 await wire.more(timeout)
