@@ -283,6 +283,23 @@ async def test_create_event(api: FakeApiServer, client_for: Callable[..., KubeCl
     assert (body["type"], body["reason"]) == ("Normal", "Ready")
 
 
+async def test_an_event_whose_retry_finds_it_posted_is_not_an_error(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    """The first POST's answer was lost (a 503 here); the retry, the very same Event by name, is refused
+    409: it was posted. A 409 on the first try is the caller's to see."""
+    path = "/api/v1/namespaces/ns1/events"
+    conflict = (409, status_body(409, "AlreadyExists", "events already exists"))
+    api.on("POST", path, (503, status_body(503, "ServiceUnavailable", "lost")), conflict)
+    cr = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns1"}}
+    async with client_for() as client:
+        event = await client.create_event(cr, type="Normal", reason="Ready", message="m")
+        assert event["reason"] == "Ready"
+        assert api.seen[0].body["metadata"]["name"] == api.seen[1].body["metadata"]["name"]
+        with pytest.raises(ConflictError):
+            await client.create_event(cr, type="Normal", reason="Ready", message="m")
+
+
 async def test_in_flight_requests_are_capped(
     api: FakeApiServer, client_for: Callable[..., KubeClient]
 ) -> None:

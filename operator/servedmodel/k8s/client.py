@@ -709,20 +709,27 @@ class KubeClient:
         params: Mapping[str, str] | None = None,
     ) -> Obj:
         """One plain request (retried as _call does) whose 200 or 201 answer is the object it wrote."""
+        return await self._call(what, lambda: self._exchange(method, path, body, content_type, params))
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Obj:
+        """One try of `_answer`: the object a 200 or 201 answer holds, else the answer's ApiError."""
         headers = {"Content-Type": content_type}
-
-        async def call() -> Obj:
-            response = await self._transport.lean(method, path, params, body, headers, self.timeouts)
-            try:
-                data = await response.aread()
-            finally:
-                await response.aclose()
-            if response.status_code not in (200, 201):
-                raise _response_error(response, data)
-            written: Obj = json.loads(data)
-            return written
-
-        return await self._call(what, call)
+        response = await self._transport.lean(method, path, params, body, headers, self.timeouts)
+        try:
+            data = await response.aread()
+        finally:
+            await response.aclose()
+        if response.status_code not in (200, 201):
+            raise _response_error(response, data)
+        written: Obj = json.loads(data)
+        return written
 
     async def create_review(self, review: Obj) -> Obj:
         """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
@@ -839,49 +846,45 @@ class KubeClient:
         meta = involved.get("metadata") or {}
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         namespace = meta.get("namespace") or "default"
-        event = _lightkube_class(self.resource("v1", "Event"))(
-            {
-                "apiVersion": "v1",
-                "kind": "Event",
-                # A name of its own, chosen once (not generateName): a POST the client retries after a
-                # lost answer (the API server died mid-request) is refused 409 instead of posted twice.
-                "metadata": {
-                    "name": f"{str(meta.get('name', 'object'))[:200]}.{secrets.token_hex(8)}",
-                    "namespace": namespace,
-                },
-                "involvedObject": {
-                    "apiVersion": involved.get("apiVersion"),
-                    "kind": involved.get("kind"),
-                    "name": meta.get("name"),
-                    "namespace": meta.get("namespace"),
-                    "uid": meta.get("uid"),
-                    "resourceVersion": meta.get("resourceVersion"),
-                },
-                "type": type,
-                "reason": reason,
-                "message": message[:1024],
-                "source": {"component": component},
-                "reportingComponent": component,
-                "reportingInstance": component,
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "count": 1,
-            }
-        )
-
-        async def call() -> Any:
-            return await self._lk.create(event)
-
+        event: Obj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            # A name of its own, chosen once (not generateName): a POST the client retries after a
+            # lost answer (the API server died mid-request) is refused 409 instead of posted twice.
+            "metadata": {
+                "name": f"{str(meta.get('name', 'object'))[:200]}.{secrets.token_hex(8)}",
+                "namespace": namespace,
+            },
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": component},
+            "reportingComponent": component,
+            "reportingInstance": component,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        path = self.path(self.resource("v1", "Event"), namespace)
+        body = json.dumps(event, separators=(",", ":")).encode()
         attempts = 0
 
-        async def once() -> Any:
+        async def once() -> Obj:
             nonlocal attempts
             attempts += 1
             try:
-                return await call()
-            except lightkube.ApiError as e:
-                if e.status.code == 409 and attempts > 1:
+                return await self._exchange("POST", path, body)
+            except ConflictError:
+                if attempts > 1:
                     return event  # an earlier attempt of this very request created it
                 raise
 
-        return _to_dict(await self._call(f"POST Event {namespace}", once))
+        return await self._call(f"POST Event {namespace}", once)
