@@ -2,12 +2,12 @@
 operator that calls the API server; kopf's watches are the other half, with the same identity).
 
 Objects in and out are plain dicts (the API's JSON); resources are named by (apiVersion, plural) or,
-for applies, by the object's (apiVersion, kind). lightkube builds the URLs and bodies of reads, deletes,
-merge patches and Events and decodes their errors. The hot requests, writes whose answer is the object
-(server-side apply, also on /status; create; replace) and watches, go as plain requests over the
-operator's own HTTP/1.1 client (wire/http11.py) instead: httpx's stack under them was most of a probe
-cycle's status write and of a reconcile's applies at 1,000 ServedModels (issue 21's profiles). This
-module adds what an operator needs on top:
+for applies, by the object's (apiVersion, kind). lightkube builds the URLs and bodies of reads, lists,
+deletes, merge patches and reviews and decodes their errors. The hot requests, writes whose answer is
+the object (server-side apply, also on /status; create; replace), Events and watches, go as plain
+requests over the operator's own HTTP/1.1 client (wire/http11.py) instead: httpx's stack under them was
+most of a probe cycle's status write and of a reconcile's applies at 1,000 ServedModels (issue 21's
+profiles). This module adds what an operator needs on top:
 
 - one identity (k8s/identity.py) whose token goes into each request's Authorization header, refreshed
   once on a 401 (rotated service-account tokens, expired exec-plugin tokens);
