@@ -104,17 +104,22 @@ def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[FakeApiServer]:
-    server = FakeApiServer()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", server.handle)
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """`app` on a loopback port: its runner (to clean up) and its URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server.url = f"http://127.0.0.1:{port}"
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    server = FakeApiServer()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", server.handle)
+    runner, server.url = await serve(app)
     try:
         yield server
     finally:
@@ -394,13 +399,9 @@ async def test_watch_reassembles_events_split_across_reads(api: FakeApiServer) -
 
     app = web.Application()
     app.router.add_get("/apis/apps/v1/namespaces/ns1/deployments", watch)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve(app)
     try:
-        async with KubeClient(identity(f"http://127.0.0.1:{port}", token="t")) as client:
+        async with KubeClient(identity(url, token="t")) as client:
             events = [
                 (t, o["metadata"]["name"])
                 async for t, o in client.watch("apps/v1", "deployments", "ns1", resource_version="5")

@@ -697,19 +697,8 @@ class KubeClient:
             url = f"{url}/{meta['name']}"
 
         what = f"{method} {r.kind} {meta.get('namespace')}/{meta.get('name')}"
-        return await self._answer(what, method, url, json.dumps(obj, separators=(",", ":")).encode())
-
-    async def _answer(
-        self,
-        what: str,
-        method: str,
-        path: str,
-        body: bytes,
-        content_type: str = "application/json",
-        params: Mapping[str, str] | None = None,
-    ) -> Obj:
-        """One plain request (retried as _call does) whose 200 or 201 answer is the object it wrote."""
-        return await self._call(what, lambda: self._exchange(method, path, body, content_type, params))
+        body = json.dumps(obj, separators=(",", ":")).encode()
+        return await self._call(what, lambda: self._exchange(method, url, body))
 
     async def _exchange(
         self,
@@ -719,7 +708,8 @@ class KubeClient:
         content_type: str = "application/json",
         params: Mapping[str, str] | None = None,
     ) -> Obj:
-        """One try of `_answer`: the object a 200 or 201 answer holds, else the answer's ApiError."""
+        """One plain request over the lean client: the object its 200 or 201 answer holds (what it
+        wrote), else the answer's ApiError. Callers retry it through _call."""
         headers = {"Content-Type": content_type}
         response = await self._transport.lean(method, path, params, body, headers, self.timeouts)
         try:
@@ -772,7 +762,7 @@ class KubeClient:
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
         content = json.dumps(body, separators=(",", ":")).encode()
         what = f"APPLY {r.kind}{subresource} {namespace}/{name}"
-        return await self._answer(what, "PATCH", url, content, _APPLY_PATCH, params)
+        return await self._call(what, lambda: self._exchange("PATCH", url, content, _APPLY_PATCH, params))
 
     async def apply_status(
         self,
