@@ -262,6 +262,21 @@ async def test_discovery_and_unknown_kinds(api: FakeApiServer, client_for: Calla
     assert len(api.seen) == 2
 
 
+async def test_discovery_asked_at_once_is_one_request(
+    api: FakeApiServer, client_for: Callable[..., KubeClient]
+) -> None:
+    api.delay_s = 0.05
+    api.on("GET", "/apis/keda.sh/v1alpha1/namespaces/default/scaledobjects", (200, {"items": []}))
+    async with client_for() as client:
+        answers = await asyncio.gather(*(client.discover("keda.sh/v1alpha1") for _ in range(20)))
+        assert answers == [True] * 20
+        assert await client.discover("route.openshift.io/v1") is False
+    assert [s.path for s in api.seen] == [
+        "/apis/keda.sh/v1alpha1/namespaces/default/scaledobjects",
+        "/apis/route.openshift.io/v1/namespaces/default/routes",
+    ]
+
+
 async def test_unreachable_server_is_a_clear_error() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -414,6 +414,7 @@ class KubeClient:
         for r in KNOWN_RESOURCES:
             self.register(r)
         self._discovery: dict[str, tuple[float, bool]] = {}
+        self._discovering: dict[str, asyncio.Future[bool]] = {}
 
     @property
     def server(self) -> str:
@@ -500,11 +501,20 @@ class KubeClient:
         """Does the server serve this group/version (route.openshift.io/v1, monitoring.coreos.com/v1)?
 
         Asked by listing one object of the first known kind of that group/version (a 404 means not
-        served, a 403 that the operator may not use it), cached for DISCOVERY_TTL_S."""
+        served, a 403 that the operator may not use it), cached for DISCOVERY_TTL_S; callers that ask
+        while it is being asked share that one request (a mass create's reconciles all ask at once)."""
         cached = self._discovery.get(group_version)
         now = asyncio.get_running_loop().time()
         if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
             return cached[1]
+        asking = self._discovering.get(group_version)
+        if asking is None:
+            asking = self._discovering[group_version] = asyncio.ensure_future(self._discover(group_version))
+            asking.add_done_callback(lambda _: self._discovering.pop(group_version, None))
+        return await asyncio.shield(asking)  # one caller cancelled does not cancel the others' answer
+
+    async def _discover(self, group_version: str) -> bool:
+        now = asyncio.get_running_loop().time()
         kinds = [r for r in self._by_kind.values() if r.api_version == group_version]
         if not kinds:
             raise NotFoundError(404, "NotFound", f"no known kind in {group_version}")
