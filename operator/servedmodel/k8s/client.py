@@ -48,7 +48,7 @@ from lightkube.generic_resource import (
 from lightkube.types import CascadeType, PatchType
 
 from servedmodel.api.base import Obj
-from servedmodel.wire.http11 import LeanResponse, LeanTransport, WireError
+from servedmodel.wire.http11 import LeanResponse, LeanTransport, WireError, encode_head
 
 from .identity import Identity
 
@@ -347,15 +347,11 @@ def _wire_request(
     method: str, target: str, netloc: str, headers: Mapping[str, str], body: bytes | None
 ) -> bytes:
     """The request as sent: its line, Host, `headers` (and Content-Length of a body), then the body."""
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}"]
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\0" in value:
-            raise ValueError(f"illegal {name} header")  # a credential must not end the request's head
-        lines.append(f"{name}: {value}")
+    fields = [(b"Host", netloc.encode("latin-1"))]
+    fields += [(name.encode("ascii"), value.encode("latin-1")) for name, value in headers.items()]
     if body is not None:
-        lines.append(f"Content-Length: {len(body)}")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if body is None else head + body
+        fields.append((b"Content-Length", b"%d" % len(body)))
+    return b"".join(encode_head(method, target.encode("latin-1"), fields) + ([body] if body else []))
 
 
 class KubeClient:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Final, cast
 
 import httpx
@@ -124,13 +124,10 @@ class _Wire(asyncio.Protocol):
         if self.eof:
             return
         self.consumed()
-        waiter = self._waiter = self.loop.create_future()
-        timer = None if limit_s is None else self.loop.call_later(limit_s, _expire, waiter)
+        self._waiter = self.loop.create_future()
         try:
-            arrived = await waiter
+            arrived = await self._within(self._waiter, limit_s)
         finally:
-            if timer is not None:
-                timer.cancel()
             self._waiter = None
         if not arrived:
             raise httpx.ReadTimeout(f"no bytes within {limit_s:g} s")
@@ -139,16 +136,22 @@ class _Wire(asyncio.Protocol):
         """Until the transport's write buffer is low again; httpx.WriteTimeout after `limit_s` seconds."""
         if not self._write_paused or self.eof:
             return
-        waiter = self._drained = self.loop.create_future()
-        timer = None if limit_s is None else self.loop.call_later(limit_s, _expire, waiter)
+        self._drained = self.loop.create_future()
         try:
-            drained = await waiter
+            drained = await self._within(self._drained, limit_s)
         finally:
-            if timer is not None:
-                timer.cancel()
             self._drained = None
         if not drained:
             raise httpx.WriteTimeout(f"the request was not sent within {limit_s:g} s")
+
+    async def _within(self, waiter: asyncio.Future[bool], limit_s: float | None) -> bool:
+        """`waiter`'s result (True: it came), or False once `limit_s` seconds passed first."""
+        timer = None if limit_s is None else self.loop.call_later(limit_s, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:
@@ -523,17 +526,23 @@ class LeanTransport(httpx.AsyncBaseTransport):
             await self._fallback.aclose()
 
 
-async def _encode(request: httpx.Request) -> bytes:
-    """The request line, headers and body as sent (the body chunked when the request says so)."""
-    url = request.url
-    parts = [request.method.encode("ascii"), b" ", url.raw_path, b" HTTP/1.1\r\n"]
-    chunked = False
-    for name, value in request.headers.raw:
+def encode_head(method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
+    """A request's line and `headers` as sent, ending with the empty line (the parts to join); a header
+    that would end the head early (CR, LF or NUL) is httpx.LocalProtocolError."""
+    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
         if b"\r" in value or b"\n" in value or b"\0" in value or b"\r" in name or b"\n" in name:
             raise httpx.LocalProtocolError(f"illegal header {name!r}")
         parts += (name, b": ", value, b"\r\n")
-        chunked = chunked or (name.lower() == b"transfer-encoding" and b"chunked" in value.lower())
     parts.append(b"\r\n")
+    return parts
+
+
+async def _encode(request: httpx.Request) -> bytes:
+    """The request line, headers and body as sent (the body chunked when the request says so)."""
+    raw = request.headers.raw
+    parts = encode_head(request.method, request.url.raw_path, raw)
+    chunked = any(n.lower() == b"transfer-encoding" and b"chunked" in v.lower() for n, v in raw)
     try:
         body = request.content
     except httpx.RequestNotRead:
@@ -715,12 +724,7 @@ def encode_lean(
         for name, value in ((b"Content-Length", b"%d" % len(body)), (b"Content-Type", b"application/json")):
             if name.lower() not in present:
                 merged.append((name, value))
-    parts = [method.encode("ascii"), b" ", url.raw_path, b" HTTP/1.1\r\n"]
-    for name, value in merged:
-        if b"\r" in value or b"\n" in value or b"\0" in value or b"\r" in name or b"\n" in name:
-            raise httpx.LocalProtocolError(f"illegal header {name!r}")
-        parts += (name, b": ", value, b"\r\n")
-    parts.append(b"\r\n")
+    parts = encode_head(method, url.raw_path, merged)
     if body is not None:
         parts.append(body)
     return b"".join(parts)
