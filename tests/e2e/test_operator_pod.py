@@ -163,8 +163,8 @@ def test_the_operator_runs_from_its_image_and_manifests(
     assert row.get("TPOT"), shown
     assert float(row["TTFT"]) > 0
     assert float(row["TPOT"]) > 0
-    served = cp.get_json("servedmodel", "qwen", "-n", namespace)
-    assert served["status"]["probe"]["client"]["ttftMs"] > 0
+    # (The TTFT column is .status.probe.client.ttftMs: a second read could meet a later cycle read in one
+    # lump on this loaded machine, which publishes no TTFT by design.)
     # The processes on the host: the arbitrary UIDs, group 0 (the images' group-0 layout is what lets them
     # run), as the operator and as the engine.
     engine = cp.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=qwen")["items"][0]
