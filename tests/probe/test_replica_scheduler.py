@@ -120,6 +120,17 @@ def test_every_replica_probed_one_stalls_and_recovers(sims: list[SimulatorProces
     asyncio.run(main())
 
 
+def reliable_or_stalled(unreliable: dict[str, Any]) -> None:
+    """ProbeUnreliable blames nothing on the engine: False, or (on a machine loaded enough that the probe's
+    own loop was held up while it read a stream, as a fresh-clone CI run met) True for that alone."""
+    if unreliable["status"] == "False":
+        assert unreliable["reason"] == "ProbeReliable", unreliable
+        return
+    assert unreliable["reason"] == "ProbeLoopStalled", unreliable
+    parts = unreliable["message"].split("; ")
+    assert all("read while the probe's own loop was" in p for p in parts), unreliable
+
+
 def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorProcess]) -> None:
     """failureThreshold 3 (the default): one cycle in which a replica's engine answers 500 leaves its
     gate open (status.probe.pods[] says the pod failed, once); the next success resets its count."""
@@ -137,6 +148,7 @@ def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorPr
             entry = cluster.body["status"]["probe"]["pods"][1]
             assert (entry["serving"], entry["consecutiveFailures"]) == ("False", 1)
             assert [cluster.gate(n) for n in PODS] == ["True"] * 3
+            reliable_or_stalled(cluster.condition("ProbeUnreliable"))  # the 500 is the engine's
             await asyncio.to_thread(set_faults, sims[1], reset=True)
             await sched.run_cycle(("ns", "qwen"))
             entry = cluster.body["status"]["probe"]["pods"][1]
@@ -148,8 +160,7 @@ def test_one_transient_engine_error_does_not_close_a_gate(sims: list[SimulatorPr
             assert [cluster.gate(n) for n in PODS] == ["True"] * 3
             assert {w[0] for w in cluster.gate_writes} == set(PODS)  # each opened once, none closed
             assert len(cluster.gate_writes) == 3
-            unreliable = cluster.condition("ProbeUnreliable")
-            assert (unreliable["status"], unreliable["reason"]) == ("False", "ProbeReliable")
+            reliable_or_stalled(cluster.condition("ProbeUnreliable"))
         finally:
             await asyncio.to_thread(set_faults, sims[1], reset=True)
             await sched.stop()
