@@ -446,7 +446,7 @@ EXPECTED_RIGHTS = {
     ("pods", "[list watch]"),
     ("pods/status", "[patch]"),
     ("configmaps", "[get list watch]"),
-    ("events", "[create list]"),
+    ("events", "[create list watch]"),
     ("routes.route.openshift.io", "[get list create patch delete]"),
     ("routes.route.openshift.io/custom-host", "[create]"),
     ("servicemonitors.monitoring.coreos.com", "[list create patch delete]"),

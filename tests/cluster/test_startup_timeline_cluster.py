@@ -10,6 +10,7 @@ the pod's creation) holds on any machine, the simulator having started after the
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from cluster_support import apply, engine_pods, metric_sum, ready_since, served_
 
 import controlplane
 from rollout_rig import write_override
+from servedmodel.api.names import ENGINE_CONTAINER
 from servedmodel.api.startup import STARTUP_STAGES, StartupStatus
 from servedmodel.probe.startup import stage_field, stage_seconds
 from servedmodel.sim.process import SimulatorProcess
@@ -33,6 +35,44 @@ SIM_ARGS = ["Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen", "--max-
 
 def when(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def pulled_event(cp: controlplane.ControlPlane, namespace: str, pod: dict[str, Any]) -> str:
+    """Post the engine container's Pulled Event as the kubelet does, stamped at the container's start
+    (kwok's, once it says so); its time."""
+
+    def started() -> str | None:
+        live = cp.get_json("pod", pod["metadata"]["name"], "-n", namespace)
+        running = [
+            ((c.get("state") or {}).get("running") or {}).get("startedAt")
+            for c in (live.get("status") or {}).get("containerStatuses") or []
+            if c.get("name") == ENGINE_CONTAINER
+        ]
+        return running[0] if running and running[0] else None
+
+    at = cluster_support.wait_for("the engine container started", started, WAIT_S)
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{pod['metadata']['name']}.pulled", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": pod["metadata"]["name"],
+            "namespace": namespace,
+            "uid": pod["metadata"]["uid"],
+            "fieldPath": f"spec.containers{{{ENGINE_CONTAINER}}}",
+        },
+        "reason": "Pulled",
+        "message": "Successfully pulled image in 1.2s",
+        "type": "Normal",
+        "source": {"component": "kubelet", "host": pod["spec"].get("nodeName", "")},
+        "firstTimestamp": at,
+        "lastTimestamp": at,
+        "count": 1,
+    }
+    cp.kubectl("create", "-f", "-", input=json.dumps(event))
+    return str(at)
 
 
 def test_a_slow_engine_start_is_timed_stage_by_stage(
@@ -54,6 +94,9 @@ def test_a_slow_engine_start_is_timed_stage_by_stage(
         "the engine pod", lambda: engine_pods(cp, namespace) or None, WAIT_S, detail=op.log
     )
     name = pod["metadata"]["name"]
+    # kwok pulls nothing and records no Pulled Event: post the one a kubelet would (at the container's
+    # start), which the operator's Events watch (a field selector) brings to the prober.
+    pulled_at = pulled_event(cp, namespace, pod)
     # Started after the pod was created: its /health answers 503 for STARTUP_DELAY_S from now on.
     delayed = [*SIM_ARGS, "--sim-step-base-ms", "2", "--sim-startup-delay", str(STARTUP_DELAY_S)]
     with SimulatorProcess(delayed, ready_timeout=60) as sim:
@@ -78,16 +121,19 @@ def test_a_slow_engine_start_is_timed_stage_by_stage(
     assert last is not None
     assert (last.pod, last.created, last.restarts) == (name, pod["metadata"]["creationTimestamp"], 0)
     assert (status.starts, [t.pod for t in status.recent]) == (1, [name])
-    # What kwok, the scheduler and the probe each said; kwok records no Pulled Event (nothing is pulled)
+    # What kwok, the scheduler, the Pulled Event and the probe each said
     said = [s for s in STARTUP_STAGES if getattr(last, stage_field(s)) is not None]
     assert said == [
         "scheduled",
         "initialized",
+        "imagePulled",
         "containerStarted",
         "containersReady",
         "engineHealthy",
         "firstToken",
     ]
+    created = when(pod["metadata"]["creationTimestamp"])
+    assert last.image_pulled_seconds == (when(pulled_at) - created).total_seconds()
     moments = [getattr(last, stage_field(s)) for s in said]
     assert moments == sorted(moments)  # in the order a start passes them
     assert last.engine_healthy_seconds is not None

@@ -276,3 +276,49 @@ def test_scheduler_follows_the_watch_fed_cache(faults: SimulatorProcess) -> None
             await sched.stop()
 
     asyncio.run(main())
+
+
+class EventsNotListed(Cluster):
+    """A cluster whose Events must not be listed: the prober has them from the Events watch's cache."""
+
+    async def list(self, api_version: str, plural: str, namespace: str | None = None, **kw: Any) -> list[Any]:
+        assert plural != "events", f"Events listed: {kw}"
+        return await super().list(api_version, plural, namespace, **kw)
+
+
+def test_a_pods_pulled_event_comes_from_the_watch_fed_cache_not_a_list() -> None:
+    """A pod's start that ended reads its Pulled Event (status.startup's imagePulled) from the cache the
+    Events watch feeds (watches.py): a list per start read every Event of the namespace from etcd. Without
+    that watch (no cache, or one not fed Events) the prober lists them."""
+
+    def event(name: str, about: str) -> dict[str, Any]:
+        return {
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": "ns", "resourceVersion": "3"},
+            "involvedObject": {"kind": "Pod", "uid": about, "fieldPath": "spec.containers{engine}"},
+            "reason": "Pulled",
+        }
+
+    async def main() -> None:
+        cache = Cache()
+        cache.replace("Event", [event("a.1", "pod-a"), event("b.1", "pod-b")], "3")
+        watched = replica_support.scheduler(EventsNotListed(), cache=cache).runner
+        assert [e["metadata"]["name"] for e in await watched._pulled("ns", "pod-a")] == ["a.1"]
+        assert await watched._pulled("ns", "pod-c") == []
+
+        listed: list[dict[str, Any]] = []
+
+        class Listing(Cluster):
+            async def list(
+                self, api_version: str, plural: str, namespace: str | None = None, **kw: Any
+            ) -> Any:
+                listed.append({"plural": plural, "namespace": namespace, **kw})
+                return [event("a.1", "pod-a")]
+
+        unwatched = replica_support.scheduler(Listing(), cache=Cache()).runner
+        assert [e["metadata"]["name"] for e in await unwatched._pulled("ns", "pod-a")] == ["a.1"]
+        assert listed == [
+            {"plural": "events", "namespace": "ns", "field_selector": {"involvedObject.uid": "pod-a"}}
+        ]
+
+    asyncio.run(main())

@@ -183,3 +183,34 @@ def test_the_event_of_a_state_written_through_is_stored_and_routed_once_for_a_ro
         ("ServedModel", "5"),
         ("Pod", "5"),
     ]
+
+
+def pulled(name: str, about: str, rv: int = 1, namespace: str = "a") -> dict[str, Any]:
+    return {
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": namespace, "resourceVersion": str(rv), "uid": f"e-{name}"},
+        "involvedObject": {"kind": "Pod", "name": f"pod-{about}", "uid": about},
+        "reason": "Pulled",
+    }
+
+
+def test_events_are_found_by_the_uid_of_what_they_are_about() -> None:
+    """An object's Events without a scan of all of them (the prober reads a pod's Pulled Event when its
+    start ends): the index follows upserts, a relist that drops one, and a delete."""
+    cache = Cache()
+    cache.replace("Event", [pulled("p1.a", "u1"), pulled("p1.b", "u1"), pulled("p2.a", "u2")], "5")
+    assert names(cache.events_about("u1")) == ["p1.a", "p1.b"]
+    assert names(cache.events_about("u2")) == ["p2.a"]
+    assert cache.events_about("u3") == []
+    # a newer copy of one replaces it in the index, not beside it
+    cache.apply_event("Event", "MODIFIED", pulled("p1.a", "u1", rv=6))
+    assert [e["metadata"]["resourceVersion"] for e in cache.events_about("u1")] == ["6", "1"]
+    # a relist without p1.b (expired during a watch gap) drops it from the index too
+    cache.replace("Event", [pulled("p1.a", "u1", rv=6), pulled("p2.a", "u2")], "7")
+    assert names(cache.events_about("u1")) == ["p1.a"]
+    cache.apply_event("Event", "DELETED", pulled("p2.a", "u2"))
+    assert cache.events_about("u2") == []
+    assert cache._by_involved.keys() == {"u1"}  # nothing left behind for a pod whose Events are gone
+    # other kinds are not indexed by what they are about
+    cache.upsert("Pod", {**pod("x", "m"), "involvedObject": {"uid": "u9"}}, written=False)
+    assert cache.events_about("u9") == []

@@ -68,6 +68,7 @@ from servedmodel.api.base import Key, Obj
 EventType = Literal["ADDED", "MODIFIED", "DELETED"] | str | None
 
 SERVED_MODEL: Final = "ServedModel"
+EVENT: Final = "Event"
 INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
 LAST_APPLIED: Final = "kubectl.kubernetes.io/last-applied-configuration"
 INTERN_MAX_CHARS: Final = 64  # names, label values, enum-like fields; not messages or templates
@@ -154,6 +155,11 @@ def _instance(obj: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
+def _involved(obj: Mapping[str, Any]) -> str | None:
+    uid = (obj.get("involvedObject") or {}).get("uid")
+    return str(uid) if uid else None
+
+
 def labels_match(obj: Mapping[str, Any], labels: Mapping[str, str | None]) -> bool:
     """Equality-based selector: every key present, with the value unless the value is None."""
     have = _meta(obj).get("labels") or {}
@@ -171,6 +177,8 @@ class Cache:
         self._store: dict[str, dict[str, dict[str, Obj]]] = {}
         # kind → (namespace, instance label) → name → object: the same objects, by ServedModel.
         self._by_instance: dict[str, dict[Key, dict[str, Obj]]] = {}
+        # involvedObject.uid → (namespace, name) → Event: an object's Events without a scan of them all.
+        self._by_involved: dict[str, dict[Key, Obj]] = {}
         self._fed: set[str] = set()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         # Told (kind, stored before, stored now) of every write's answer stored. The answer may carry
@@ -226,6 +234,9 @@ class Cache:
         instance = _instance(stored)
         if instance is not None:
             self._by_instance.setdefault(kind, {}).setdefault((namespace, instance), {})[str(name)] = stored
+        about = _involved(stored) if kind == EVENT else None
+        if about is not None:
+            self._by_involved.setdefault(about, {})[(namespace, str(name))] = stored
         if written and self.on_written is not None:
             self.on_written(kind, old, stored)
         return True
@@ -305,6 +316,12 @@ class Cache:
         return deltas
 
     def _unindex(self, kind: str, namespace: str, name: str, obj: Obj) -> None:
+        about = _involved(obj) if kind == EVENT else None
+        events = self._by_involved.get(about) if about is not None else None
+        if events is not None:
+            events.pop((namespace, name), None)
+            if not events:
+                del self._by_involved[str(about)]
         instance = _instance(obj)
         if instance is None:
             return
@@ -348,6 +365,11 @@ class Cache:
         ]
         out.sort(key=lambda o: (str(_meta(o).get("namespace") or ""), str(_meta(o).get("name"))))
         return out
+
+    def events_about(self, uid: str) -> builtins.list[Obj]:
+        """The cached Events (those the Events watch's field selector lets through) whose involvedObject
+        is the object of `uid`, by namespace and name."""
+        return [e for _, e in sorted(self._by_involved.get(uid, {}).items())]
 
     def keys(self, kind: str = SERVED_MODEL) -> builtins.list[Key]:
         return sorted((ns, name) for ns, bucket in self._store.get(kind, {}).items() for name in bucket)

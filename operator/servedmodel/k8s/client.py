@@ -597,6 +597,7 @@ class KubeClient:
         namespace: str | None = None,
         *,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         page_size: int = 500,
         each: Callable[[Obj], Obj] | None = None,
     ) -> tuple[ObjList, str]:
@@ -616,6 +617,8 @@ class KubeClient:
                 params: dict[str, str | int] = {"limit": page_size}
                 if label_selector:
                     params["labelSelector"] = label_selector
+                if field_selector:
+                    params["fieldSelector"] = field_selector
                 if cont:
                     params["continue"] = cont
                 response = await self._http.get(url, params=params)
@@ -648,6 +651,7 @@ class KubeClient:
         *,
         resource_version: str | None = None,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         timeout_s: float = 300.0,
     ) -> AsyncIterator[tuple[str, Obj]]:
         """(type, object) of each watch event from `resource_version` until the server ends the watch
@@ -662,6 +666,8 @@ class KubeClient:
             params["resourceVersion"] = resource_version
         if label_selector:
             params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
         timeouts: dict[str, float | None] = {"connect": 5.0, "read": timeout_s + 30.0, "write": 10.0}
         try:
             response = await self._transport.lean("GET", self.path(r, namespace), params, None, {}, timeouts)

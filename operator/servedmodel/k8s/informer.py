@@ -51,12 +51,14 @@ BACKOFF_CAP_S: Final = 30.0  # ... to 30 s
 
 @dataclass(frozen=True)
 class Watched:
-    """A kind the operator watches: where it lives and which of its objects (a label selector)."""
+    """A kind the operator watches: where it lives and which of its objects (a label selector, a field
+    selector)."""
 
     api_version: str
     plural: str
     kind: str
     label_selector: str | None = None
+    field_selector: str | None = None
 
 
 @dataclass
@@ -107,6 +109,7 @@ class Informer:
             w.plural,
             self.namespace,
             label_selector=w.label_selector,
+            field_selector=w.field_selector,
             each=functools.partial(slim, kind=w.kind),  # page by page, not the whole list at once
         )
         if self.namespace_filter is not None:
@@ -140,6 +143,7 @@ class Informer:
                     self.namespace,
                     resource_version=self._rv,
                     label_selector=w.label_selector,
+                    field_selector=w.field_selector,
                     timeout_s=timeout,
                 ):
                     failures = 0

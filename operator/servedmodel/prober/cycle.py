@@ -45,6 +45,7 @@ from servedmodel.api.spec import ServedModelSpec
 from servedmodel.api.startup import StartupTimeline
 from servedmodel.config import OperatorConfig
 from servedmodel.k8s import ApiError, Cache, KubeClient, NotFoundError
+from servedmodel.k8s.cache import EVENT
 from servedmodel.k8s.reader import Reader
 from servedmodel.probe import errors, startup
 from servedmodel.probe.client import (
@@ -644,9 +645,7 @@ class CycleRunner:
             track, done = startup.observe(before, pod_incarnation(pod), r.outcome, r.name in served)
             model.starts[r.name] = track
             if done and track.first_token_at is not None:
-                events = await self._events(
-                    namespace, {"involvedObject.uid": (pod.get("metadata") or {}).get("uid")}
-                )
+                events = await self._pulled(namespace, str((pod.get("metadata") or {}).get("uid") or ""))
                 activated = None
                 created = parse_rfc3339((pod.get("metadata") or {}).get("creationTimestamp"))
                 if auto is not None and auto.scale_to_zero and created is not None:
@@ -662,6 +661,13 @@ class CycleRunner:
                 if start is not None:
                     ended.append(start)
         return ended
+
+    async def _pulled(self, namespace: str, pod_uid: str) -> list[Obj]:
+        """A pod's Pulled Events: from the cache where the Events watch feeds it (watches.py), else
+        listed (the events of a namespace are read from etcd, all of them, for each such list)."""
+        if self.cache is not None and self.cache.tracks(EVENT):
+            return self.cache.events_about(pod_uid) if pod_uid else []
+        return await self._events(namespace, {"involvedObject.uid": pod_uid})
 
     async def _events(self, namespace: str, about: Mapping[str, Any]) -> list[Obj]:
         """The Events about one object (one list, by field selector); none where they cannot be read."""
