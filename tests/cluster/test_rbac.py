@@ -90,7 +90,23 @@ def cluster() -> Iterator[controlplane.ControlPlane]:
             "servedmodels.inference.servedmodel.io",
         ):
             cp.wait_established(crd)
+        policy_in_force(cp)
         yield cp
+
+
+def policy_in_force(cp: controlplane.ControlPlane) -> None:
+    """Wait until the API server enforces the pods/status admission policy: it loads a new policy and its
+    binding asynchronously, and a fresh-clone CI run had the test's first refused write let through."""
+    namespace = "vap-probe"
+    cp.kubectl("create", "namespace", namespace)
+    _pod(cp, namespace, "not-ours", {"app": "probe"})
+    gate = "inference.servedmodel.io/serving"
+    cluster_support.wait_for(
+        "the pods/status admission policy in force",
+        lambda: _patch_status(cp, namespace, "not-ours", gate)[0] == 403 or None,
+        60,
+    )
+    cp.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 def sa_kubeconfig(cp: controlplane.ControlPlane, path: Path) -> Path:
