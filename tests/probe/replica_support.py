@@ -110,6 +110,9 @@ class Cluster:
         _next_version(obj)
         return obj
 
+    async def apply_status_unread(self, *args: Any, **kwargs: Any) -> None:
+        await self.apply_status(*args, **kwargs)
+
     async def create_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str) -> Any:
         self.events.append((involved["kind"], involved["metadata"]["name"], reason, message))
         return {}

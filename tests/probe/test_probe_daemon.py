@@ -5,6 +5,7 @@ API server is in tests/cluster/test_probe_cluster.py)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import random
 from datetime import UTC, datetime, timedelta
@@ -322,3 +323,69 @@ def test_a_pods_pulled_event_comes_from_the_watch_fed_cache_not_a_list() -> None
         ]
 
     asyncio.run(main())
+
+
+class StatusWrites(Cluster):
+    """A cluster that records how each status write was made: its answer read into the cache first
+    ("through") or left to the watch ("unread")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ways: list[str] = []
+
+    async def apply_status(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.ways.append("through")
+        return await Cluster.apply_status(self, *args, **kwargs)
+
+    async def apply_status_unread(self, *args: Any, **kwargs: Any) -> None:
+        self.ways.append("unread")
+        await Cluster.apply_status(self, *args, **kwargs)
+
+
+def test_a_write_the_reconciler_reads_goes_through_the_cache_the_others_are_left_to_the_watch(
+    faults: SimulatorProcess,
+) -> None:
+    """Where a watch feeds the cache, a cycle that changes only figures leaves its write's answer
+    undecoded (the write comes back as its watch event); one that changes Serving, which the reconciler
+    reads, puts the answer into the cache before it enqueues the reconciler, so that pass reads it."""
+
+    async def main() -> None:
+        kube = StatusWrites()
+        cache = Cache()
+        body = external("m", faults.base_url)
+        body["metadata"]["resourceVersion"] = "1"
+        kube.objects[("ns", "m")] = body
+        cache.apply_event("ServedModel", None, body)  # a watch feeds ServedModels (Cache.tracks)
+        sched, enqueued = scheduler(kube, cache=cache)
+        sched.track(body)
+
+        def cached() -> dict[str, Any]:
+            obj = cache.get("ServedModel", "ns", "m")
+            assert obj is not None
+            return obj
+
+        await sched.run_cycle(("ns", "m"))  # Serving: none -> True
+        assert kube.ways == ["through"]
+        assert enqueued == [("ns", "m")]
+        assert serving_of(cached()) == "True"
+        first = cached()["status"]["probe"]["lastProbeTime"]
+
+        await sched.run_cycle(("ns", "m"))  # only the figures change
+        assert kube.ways == ["through", "unread"]
+        assert enqueued == [("ns", "m")]
+        assert cached()["status"]["probe"]["lastProbeTime"] == first  # left to the watch
+        written = kube.objects[("ns", "m")]
+        assert written["status"]["probe"]["lastProbeTime"] > first  # but written
+        cache.apply_event("ServedModel", "MODIFIED", copy.deepcopy(written))  # its watch event
+
+        set_faults(faults, dead=True)
+        await sched.run_cycle(("ns", "m"))  # Serving: True -> False
+        assert kube.ways == ["through", "unread", "through"]
+        assert enqueued == [("ns", "m"), ("ns", "m")]
+        assert serving_of(cached()) == "False"  # in the cache before the reconciler runs
+
+    asyncio.run(main())
+
+
+def serving_of(obj: dict[str, Any]) -> str | None:
+    return next((c["status"] for c in obj["status"]["conditions"] if c["type"] == "Serving"), None)

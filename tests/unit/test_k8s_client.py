@@ -14,6 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from servedmodel.k8s import (
     UnreachableError,
     load_identity,
 )
+from servedmodel.k8s import client as k8s_client
 from servedmodel.k8s.cache import slim
 from servedmodel.k8s.identity import from_config
 
@@ -223,6 +225,39 @@ async def test_apply_status_targets_the_subresource(
         "metadata": {"name": "m1", "namespace": "ns1"},
         "status": status,
     }
+
+
+async def test_apply_status_unread_sends_the_same_apply_and_leaves_the_answer_undecoded(
+    api: FakeApiServer, client_for: Callable[..., KubeClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's write where a watch feeds its cache: the same request as apply_status, the answer read
+    off the connection but not decoded; a refusal is still its ApiError."""
+    path = "/apis/inference.servedmodel.io/v1alpha1/namespaces/ns1/servedmodels/m1/status"
+    ready = (200, {"status": {"phase": "Ready"}})
+    api.on("PATCH", path, ready, (409, status_body(409, "Conflict", "held")), ready)
+    decoded: list[bytes] = []
+
+    def loads(data: bytes) -> Any:
+        decoded.append(data)
+        return json.loads(data)
+
+    monkeypatch.setattr(k8s_client, "json", SimpleNamespace(loads=loads, dumps=json.dumps))
+    status = {"probe": {"result": "Success"}}
+    gv = "inference.servedmodel.io/v1alpha1"
+    async with client_for() as client:
+        assert (
+            await client.apply_status_unread(gv, "servedmodels", "ns1", "m1", status, "servedmodel-probe")
+            is None
+        )
+        assert decoded == []
+        with pytest.raises(ConflictError):
+            await client.apply_status_unread(gv, "servedmodels", "ns1", "m1", status, "servedmodel-probe")
+        await client.apply_status(gv, "servedmodels", "ns1", "m1", status, "servedmodel-probe")
+    assert api.seen[0].path == path
+    assert api.seen[0].headers["Content-Type"] == "application/apply-patch+yaml"
+    assert api.seen[0].query == {"fieldManager": "servedmodel-probe", "force": "true"}
+    assert [s.body for s in api.seen] == [api.seen[2].body] * 3  # the same apply as apply_status's
+    assert len(decoded) == 2  # the 409's Status, and apply_status's answer
 
 
 async def test_list_follows_pages_and_selects(

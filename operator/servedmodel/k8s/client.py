@@ -217,6 +217,16 @@ def _watch_event(line: bytes) -> tuple[str, Obj]:
 _APPLY_PATCH: Final = "application/apply-patch+yaml"
 
 
+def _status_body(api_version: str, r: Resource, namespace: str | None, name: str, status: Obj) -> Obj:
+    """A /status apply's body: the object's identity and the fields its manager owns."""
+    return {
+        "apiVersion": api_version,
+        "kind": r.kind,
+        "metadata": {"name": name, **({"namespace": namespace} if namespace else {})},
+        "status": status,
+    }
+
+
 def _response_error(response: httpx.Response | LeanResponse, body: bytes) -> ApiError:
     """An error answer (its Status object when the body is one) as an ApiError."""
     reason, message = response.reason_phrase or "Error", body[:500].decode("utf-8", "replace")
@@ -722,6 +732,18 @@ class KubeClient:
     ) -> Obj:
         """One plain request over the lean client: the object its 200 or 201 answer holds (what it
         wrote), else the answer's ApiError. Callers retry it through _call."""
+        written: Obj = json.loads(await self._exchange_raw(method, path, body, content_type, params))
+        return written
+
+    async def _exchange_raw(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> bytes:
+        """_exchange's answer as the bytes of a 200 or 201, not decoded."""
         headers = {"Content-Type": content_type}
         response = await self._transport.lean(method, path, params, body, headers, self.timeouts)
         try:
@@ -730,8 +752,7 @@ class KubeClient:
             await response.aclose()
         if response.status_code not in (200, 201):
             raise _response_error(response, data)
-        written: Obj = json.loads(data)
-        return written
+        return data
 
     async def create_review(self, review: Obj) -> Obj:
         """POST a TokenReview or a SubjectAccessReview (create-only, cluster-scoped: nothing is stored)
@@ -770,11 +791,26 @@ class KubeClient:
         the answer's object. A plain request, as create and replace: lightkube's patch built a request
         object and decoded the answer into a resource object and back, a third of a probe cycle's status
         write on the main loop (issue 21's profile at 1,000 ServedModels)."""
+        what, url, content, params = self._apply_request(
+            r, namespace, name, subresource, body, field_manager, force
+        )
+        return await self._call(what, lambda: self._exchange("PATCH", url, content, _APPLY_PATCH, params))
+
+    def _apply_request(
+        self,
+        r: Resource,
+        namespace: str | None,
+        name: str,
+        subresource: str,
+        body: Obj,
+        field_manager: str,
+        force: bool,
+    ) -> tuple[str, str, bytes, dict[str, str]]:
+        """(what, URL path, body bytes, query) of a server-side apply."""
         url = f"{self.path(r, namespace)}/{name}{subresource}"
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
         content = json.dumps(body, separators=(",", ":")).encode()
-        what = f"APPLY {r.kind}{subresource} {namespace}/{name}"
-        return await self._call(what, lambda: self._exchange("PATCH", url, content, _APPLY_PATCH, params))
+        return f"APPLY {r.kind}{subresource} {namespace}/{name}", url, content, params
 
     async def apply_status(
         self,
@@ -795,13 +831,29 @@ class KubeClient:
         conditions, which makes this the way to set a readiness-gate condition too). Returns the whole
         object after the write."""
         r = self.resource(api_version, plural)
-        body: Obj = {
-            "apiVersion": api_version,
-            "kind": r.kind,
-            "metadata": {"name": name, **({"namespace": namespace} if namespace else {})},
-            "status": status,
-        }
+        body = _status_body(api_version, r, namespace, name, status)
         return await self._apply(r, namespace, name, "/status", body, field_manager, force)
+
+    async def apply_status_unread(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        status: Obj,
+        field_manager: str,
+        *,
+        force: bool = True,
+    ) -> None:
+        """apply_status for a writer whose cache a watch of the object feeds: the answer is read off the
+        connection and dropped, not decoded, since the object comes back as its watch event (decoding
+        both was ~4 % of the operator's samples probing 1,000 ServedModels every 60 s; issue 21)."""
+        r = self.resource(api_version, plural)
+        body = _status_body(api_version, r, namespace, name, status)
+        what, url, content, params = self._apply_request(
+            r, namespace, name, "/status", body, field_manager, force
+        )
+        await self._call(what, lambda: self._exchange_raw("PATCH", url, content, _APPLY_PATCH, params))
 
     async def patch(self, api_version: str, plural: str, namespace: str | None, name: str, patch: Obj) -> Obj:
         """A JSON merge patch of the object (metadata.resourceVersion in it makes it conditional)."""

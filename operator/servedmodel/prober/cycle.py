@@ -395,22 +395,36 @@ class CycleRunner:
         if model.last_patch is not None and "rollout" in model.last_patch:
             said = rollout_verdict(model.last_patch["rollout"])
         rollout_changed = said != rollout_verdict(patch.get("rollout"))
-        if await self._write(model, body, patch):
+        reconciler_reads = before != after or rollout_changed
+        if await self._write(model, body, patch, through=reconciler_reads):
             result.written = True
-            if before != after or rollout_changed:  # the reconciler reads these
+            if reconciler_reads:
                 self._enqueue(model.key)
         return result
 
-    async def _write(self, model: Model, body: Mapping[str, Any], patch: dict[str, Any]) -> bool:
+    async def _write(
+        self, model: Model, body: Mapping[str, Any], patch: dict[str, Any], *, through: bool = True
+    ) -> bool:
         """The cycle's one status write (server-side apply, the probe's field manager); False when the
-        ServedModel was forgotten meanwhile, is gone (404: it leaves the cache too) or the write failed."""
+        ServedModel was forgotten meanwhile, is gone (404: it leaves the cache too) or the write failed.
+        `through`: its answer into the cache before the caller enqueues the reconciler, which must read
+        it; else, where a watch feeds the cache, the answer is not decoded (the write's watch event
+        brings the object, stored and routed there, once; until then the next cycle reads what it wrote
+        from model.last_patch: compose.previous_probe_status)."""
         namespace, name = model.key
         if model.removed:
             return False  # forgotten (deleted) while the probe ran: write nothing
+        unread = not through and self.cache is not None and self.cache.tracks(SERVED_MODEL_KIND)
         try:
-            written = await self.kube.apply_status(
-                API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
-            )
+            if unread:
+                await self.kube.apply_status_unread(
+                    API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+                )
+                written = None
+            else:
+                written = await self.kube.apply_status(
+                    API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+                )
         except NotFoundError:
             self._gone(namespace, name, body)
             return False
