@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from cluster_support import until
 
 import controlplane
+from servedmodel.api.base import Obj
 from servedmodel.k8s import KubeClient, load_identity
 from servedmodel.k8s.leader import LeaderElector
 
@@ -64,13 +66,13 @@ async def test_one_leader_then_takeover_after_a_lease_duration(
         # a dies without releasing (as SIGKILL would): its renewals stop, the Lease stays a's.
         a.release = _no_release  # type: ignore[method-assign]
         run_a.cancel()
-        await asyncio.gather(run_a, return_exceptions=True)
+        await stopped_within(run_a)
         waited = await until(lambda: b.leading, LEASE + 5.0)
         assert waited >= LEASE - 2 * RETRY * 1.2 - 0.5, waited  # not before a's lease could have lapsed
         assert terms == ["a", "b"]
         # b stops gracefully: it releases, and a fresh candidate takes the Lease at its first try.
         run_b.cancel()
-        await asyncio.gather(run_b, return_exceptions=True)
+        await stopped_within(run_b)
         c = elector(ca, namespace, "c")
         assert await c.try_acquire_or_renew()
         lease = await ca.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
@@ -81,3 +83,48 @@ async def test_one_leader_then_takeover_after_a_lease_duration(
 
 async def _no_release() -> bool:
     return False
+
+
+async def stopped_within(task: asyncio.Task[None], within: float = 10.0) -> None:
+    """The cancelled elector's task ended (a leader that ignores its cancel would renew for ever)."""
+    done, _ = await asyncio.wait({task}, timeout=within)
+    assert task in done, f"the elector did not stop within {within:.0f} s of its cancel"
+
+
+class CancelOnRenew(KubeClient):
+    """The real client; when `on_reply` is set, a PUT's answer schedules it before returning, so a cancel
+    lands in the same turn of the loop as the renewal completes (what a shutdown does at worst)."""
+
+    on_reply: Callable[[], Any] | None = None
+
+    async def replace(self, obj: Obj) -> Obj:
+        answer = await super().replace(obj)
+        hook, self.on_reply = self.on_reply, None  # once
+        if hook is not None:
+            asyncio.get_running_loop().call_soon(hook)
+        return answer
+
+
+async def test_a_cancel_that_lands_as_a_renewal_completes_stops_the_leader(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """Python 3.11's asyncio.wait_for around the renewal returned its result to a task cancelled in that turn:
+    the cancel was lost and the leader renewed on (a CI run hung 300 s here). The renewal is bounded by
+    asyncio.timeout instead, which keeps a cancel."""
+    async with CancelOnRenew(load_identity(bare_control_plane.kubeconfig)) as c:
+        a = elector(c, namespace, "a")
+
+        async def noop() -> None:
+            return None
+
+        run_a = asyncio.create_task(a.run(noop, noop))
+        await until(lambda: a.leading, 10.0)
+        renewals = a.requests
+        await until(lambda: a.requests > renewals, 10.0, "a renewal")  # _renew's loop is running
+        c.on_reply = run_a.cancel
+        await stopped_within(run_a)
+        assert run_a.cancelled()
+        assert not a.leading
+        lease = await c.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
+        assert lease is not None
+        assert lease["spec"]["holderIdentity"] == ""  # released on the way out

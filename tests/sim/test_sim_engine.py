@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from servedmodel.sim.engine import Engine, EngineConfig, Request, eos_point
+from servedmodel.sim.engine import Engine, EngineConfig, EngineLoop, Request, eos_point
 from servedmodel.sim.tokenizer import QwenTokenizer
 
 
@@ -309,3 +311,16 @@ def test_eos_point_is_deterministic_and_after_one_pass() -> None:
     assert a == eos_point([1, 2, 3], one_pass=10, mean_output_tokens=100, seed=0)
     assert 50 <= a <= 150
     assert eos_point([1, 2, 3], one_pass=400, mean_output_tokens=100, seed=0) == 400
+
+
+async def test_a_stop_that_lands_as_a_kick_wakes_the_idle_loop_still_stops_it(tok: QwenTokenizer) -> None:
+    """The idle loop waits for a kick with a timeout. Python 3.11's asyncio.wait_for there returned the
+    kick to a task cancelled in that same turn, and the loop went back to waiting: stop() never ended."""
+    loop = EngineLoop(make_engine(tok))
+    loop.start()
+    await asyncio.sleep(0.05)  # idle: waiting for its wake-up
+    loop.kick()
+    await asyncio.sleep(0)  # the wait completes; the cancel below comes before the loop resumes
+    stopping = asyncio.ensure_future(loop.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5.0)
+    assert stopping in done, "EngineLoop.stop() did not end: the cancel was lost"

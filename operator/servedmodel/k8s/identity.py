@@ -172,7 +172,8 @@ class ExecPlugin:
             hint = f" ({spec.installHint.strip()})" if spec.installHint else ""
             raise CredentialsError(f"exec plugin {spec.command} cannot run: {e}{hint}") from e
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                out, err = await proc.communicate()
         except TimeoutError:
             proc.kill()
             await proc.wait()

@@ -96,10 +96,10 @@ class LeaderElector:
         while True:
             await asyncio.sleep(self.retry_period_s)
             try:
-                ok = await asyncio.wait_for(
-                    self.try_acquire_or_renew(),
-                    timeout=max(0.1, self.renew_deadline_s - (self.clock() - last_ok)),
-                )
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a cancel
+                # lands as the renewal completes, and the cancelled leader then renews on for ever.
+                async with asyncio.timeout(max(0.1, self.renew_deadline_s - (self.clock() - last_ok))):
+                    ok = await self.try_acquire_or_renew()
             except TimeoutError:
                 ok = False
             if ok:
@@ -185,7 +185,8 @@ class LeaderElector:
         spec = dict(lease.get("spec") or {})
         spec.update({"holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": _micro_time()})
         try:
-            self._lease = await asyncio.wait_for(self.client.replace({**lease, "spec": spec}), timeout=5.0)
+            async with asyncio.timeout(5.0):
+                self._lease = await self.client.replace({**lease, "spec": spec})
         except (ApiError, TimeoutError) as e:
             log.warning("leader election: releasing the Lease failed: %s", e)
             return False

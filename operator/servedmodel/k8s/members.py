@@ -163,8 +163,7 @@ class Membership:
         if self._own is None:
             return
         try:
-            await asyncio.wait_for(
-                self.client.delete(LEASE_API, "leases", self.namespace, self.lease_name), 5.0
-            )
+            async with asyncio.timeout(5.0):
+                await self.client.delete(LEASE_API, "leases", self.namespace, self.lease_name)
         except (ApiError, TimeoutError) as e:
             log.warning("deleting this replica's Lease failed: %s", e)

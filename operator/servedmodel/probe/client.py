@@ -746,8 +746,8 @@ async def run_probe(
         return await _run_probe(client, target, spec, watch, model, api_key, metrics, fingerprint, memo)
     finally:
         watching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watching
+        # gather, not suppress(CancelledError): a cancel of this cycle arriving meanwhile still propagates.
+        await asyncio.gather(watching, return_exceptions=True)
 
 
 def _first_token_at(timings: Sequence[StreamTiming]) -> datetime | None:

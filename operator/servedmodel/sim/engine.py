@@ -751,8 +751,7 @@ class EngineLoop:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.gather(self._task, return_exceptions=True)  # a cancel of stop() itself propagates
             self._task = None
         self.gc.release()
 
@@ -763,7 +762,8 @@ class EngineLoop:
             if not engine.has_work or self.paused:
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                    async with asyncio.timeout(1.0):
+                        await self._wake.wait()
                 except TimeoutError:
                     self.gc.in_slack(1.0)  # idle: plenty of slack
                 next_start = None
@@ -779,7 +779,8 @@ class EngineLoop:
                 # Work exists but nothing fits (e.g. KV full with no running request): wait for a change.
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                    async with asyncio.timeout(0.05):
+                        await self._wake.wait()
                 next_start = None
                 continue
             end = plan.end
