@@ -814,7 +814,9 @@ async def _run_probe(
     except RecursionError:  # bounds.loads refuses deep JSON first; nothing deep may end the cycle
         out.failure = ProbeFailure(errors.RESPONSE_TOO_DEEP, "an answer nested too deep to decode")
     if light and out.failure is not None and out.failure.reason in DOOR_FIRST:
-        await _door_after(client, base, model, api_key, out, deadline, budget_end)
+        # The light cycle's chat was refused: the door, which the full path meets first, names the failure
+        # where it fails too (its reason and message replace the chat's); its timeout leaves the chat's.
+        await _after_chat(door(client, base, model, api_key, out, deadline), out, budget_end, None)
     if out.timings:
         out.figures = _median_figures([client_figures(t) for t in out.timings])
     after_end = min(loop.time() + spec.timeout, budget_end)
@@ -834,14 +836,21 @@ async def _run_probe(
         done = out.window.counters.get("request_success")
         if not out.window.reset and done is not None:
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
-    if reused and out.after is not None and (memo is None or memo.restarted(out.after) or _reset(out)):
-        # The engine behind the address restarted since the last cycle's scrape, which this cycle took as
-        # its `before`: its model, limits and template may differ, so the full path's door and /tokenize
-        # now, after the chat, and its checks below (what a scrape before the chat would have sent first).
-        light = False
-        if memo is not None:
+    if reused and out.after is not None:
+        assert memo is not None  # only a memo's snapshot is reused
+        if memo.restarted(out.after) or _reset(out):
+            # The engine behind the address restarted since the last cycle's scrape, which this cycle took
+            # as its `before`: its model, limits and template may differ, so the full path's door and
+            # /tokenize now, after the chat, and its checks below (what a scrape before the chat would
+            # have sent first).
+            light = False
             memo.forget()
-        await _full_path_after(client, base, spec, model, api_key, out, deadline, after_end)
+            await _after_chat(
+                _full_path_rest(client, base, spec, model, api_key, out, deadline),
+                out,
+                after_end,
+                ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s"),
+            )
     if out.ok:
         after = _FollowUp(client, base, api_key, after_end, deadline)
         if light:
@@ -878,7 +887,22 @@ def _reset(out: ProbeOutcome) -> bool:
     return out.window is not None and out.window.reset
 
 
-async def _full_path_after(
+async def _after_chat(
+    step: Coroutine[Any, Any, None], out: ProbeOutcome, until: float, on_timeout: ProbeFailure | None
+) -> None:
+    """A step of the path sent after the chat, by `until`: its failure becomes the cycle's, and so does
+    `on_timeout` when given (else a timeout leaves the cycle's verdict as it was)."""
+    try:
+        async with asyncio.timeout_at(until):
+            await step
+    except ProbeFailure as f:
+        out.failure = f
+    except TimeoutError:
+        if on_timeout is not None:
+            out.failure = on_timeout
+
+
+async def _full_path_rest(
     client: httpx.AsyncClient,
     base: str,
     spec: ProbeSpec,
@@ -886,18 +910,11 @@ async def _full_path_after(
     api_key: str | None,
     out: ProbeOutcome,
     deadline_s: float,
-    until: float,
 ) -> None:
     """The door and /tokenize of the full path, after a chat that met a restarted engine."""
-    try:
-        async with asyncio.timeout_at(until):
-            await door(client, base, model, api_key, out, deadline_s)
-            if out.body is not None:
-                await tokenize(client, base, spec, api_key, out, out.body["messages"], deadline_s)
-    except ProbeFailure as f:
-        out.failure = f
-    except TimeoutError:
-        out.failure = ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s")
+    await door(client, base, model, api_key, out, deadline_s)
+    if out.body is not None:
+        await tokenize(client, base, spec, api_key, out, out.body["messages"], deadline_s)
 
 
 async def _scrape_before(metrics: MetricsReader | None, out: ProbeOutcome) -> bool:
@@ -913,26 +930,6 @@ async def _scrape_before(metrics: MetricsReader | None, out: ProbeOutcome) -> bo
     else:
         await asyncio.sleep(SCRAPE_QUIET_S)
     return True
-
-
-async def _door_after(
-    client: httpx.AsyncClient,
-    base: str,
-    model: str | None,
-    api_key: str | None,
-    out: ProbeOutcome,
-    deadline_s: float,
-    budget_end: float,
-) -> None:
-    """A light cycle's chat was refused: the door, which the full path meets first, names the failure
-    where it fails too (its reason and message replace the chat's)."""
-    try:
-        async with asyncio.timeout_at(budget_end):
-            await door(client, base, model, api_key, out, deadline_s)
-    except ProbeFailure as f:
-        out.failure = f
-    except TimeoutError:
-        pass
 
 
 async def _recalled_checks(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome, memo: PathMemo) -> None:
