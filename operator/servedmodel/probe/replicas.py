@@ -162,8 +162,8 @@ def stall_verdict(out: ProbeOutcome, now: float, previous: Window | None) -> str
     if gen is None:
         return None
     windows: list[tuple[MetricsSnapshot, float]] = []
-    if out.before is not None and out.ended is not None:  # from the scrape before (or the last cycle's)
-        windows.append((out.before, (out.ended - (out.before_at or out.started)).total_seconds()))
+    if out.before is not None and out.ended is not None:
+        windows.append((out.before, (out.ended - out.started).total_seconds()))
     if previous is not None:
         windows.append((previous.snapshot, now - previous.at))
     running, waiting = _gauge(after, "running"), _gauge(after, "waiting")
@@ -184,9 +184,8 @@ def stall_verdict(out: ProbeOutcome, now: float, previous: Window | None) -> str
     # The probe's own request is one that waits: a hung engine core (vLLM #39863) stops reporting, so its
     # gauges stay as they were (often 0, 0) while the API server keeps answering /health.
     f = out.failure
-    if f is not None and f.reason in NO_TOKEN_REASONS and windows and out.ended is not None:
-        start, _ = windows[0]
-        span = (out.ended - out.started).total_seconds()  # the probe's own wait, inside that window
+    if f is not None and f.reason in NO_TOKEN_REASONS and windows:
+        start, span = windows[0]
         if span >= MIN_STALL_WINDOW_S and start.counters.get("generation_tokens") == gen:
             return (
                 f"the probe's request got no token for {span:.1f} s ({f.reason}) and the generation counter "
