@@ -72,8 +72,8 @@ SETTLE_PAUSE_S = 0.02
 # 0.2 s later; the excess of TTFT over vLLM's own TTFT 27 -> 15 ms, what `vllm bench serve` sees). The
 # probe would otherwise time its own interference. The scrape is also what keeps the timed chat off an
 # engine idle since the last cycle: a light cycle that took the last cycle's scrape after as its before
-# (6664009, reverted) timed an engine idle for a whole interval, ~10 ms more excess on the simulator than
-# the scrape 0.2 s before the chat in the same run (docs/benchmarks.md).
+# (6664009, reverted) timed an engine idle for a whole interval: 10 - 30 ms more excess on the simulator
+# than a scrape 0.2 s before the chat, the two alternating in one run (bench/probe_idle.py).
 SCRAPE_QUIET_S = 0.2
 LIMITS_FILLER = " hello"  # one Qwen token per repetition; several characters for the char pre-check
 LIMITS_MAX_TOKENS = (
