@@ -16,6 +16,7 @@ from cluster_support import until
 import controlplane
 from servedmodel.api.base import Obj
 from servedmodel.k8s import KubeClient, load_identity
+from servedmodel.k8s.client import ConflictError
 from servedmodel.k8s.leader import LeaderElector
 
 pytestmark = pytest.mark.cluster
@@ -128,3 +129,69 @@ async def test_a_cancel_that_lands_as_a_renewal_completes_stops_the_leader(
         lease = await c.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
         assert lease is not None
         assert lease["spec"]["holderIdentity"] == ""  # released on the way out
+
+
+def sent(c: KubeClient) -> dict[str, int]:
+    """Requests this client sent so far, by method and status ("PUT 200")."""
+    return {f"{m} {code}": n for (m, code), n in c.requests.items()}
+
+
+def since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
+
+
+async def test_a_leader_renews_with_one_put_and_reads_the_lease_only_when_refused(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """client-go's fast path: while leading, a renewal is a PUT over the Lease it last wrote. Someone else's
+    write makes that PUT a 409, and the leader reads the Lease and renews over it; a Lease another holder
+    took is not written over: the leader stops at its renew deadline."""
+    async with client(bare_control_plane) as ca, client(bare_control_plane) as other:
+        a = elector(ca, namespace, "a")
+
+        async def noop() -> None:
+            return None
+
+        run_a = asyncio.create_task(a.run(noop, noop))
+        try:
+            await until(lambda: a.leading, 10.0)
+            before = sent(ca)
+            await asyncio.sleep(RETRY * 8)  # several renewals
+            quiet = since(before, sent(ca))
+            assert set(quiet) == {"PUT 200"}, quiet  # no GET while nothing else wrote
+            assert quiet["PUT 200"] >= 3, quiet
+
+            # Another writer touches the Lease (an annotation): the next renewal's PUT is refused.
+            await edit(other, namespace, lambda lease: lease["metadata"].update(annotations={"a": "b"}))
+            before = sent(ca)
+            renewed = await until(lambda: since(before, sent(ca)).get("PUT 200", 0) >= 1, 10.0, "a renewal")
+            refused = since(before, sent(ca))
+            assert refused.get("PUT 409") == 1, (refused, renewed)
+            assert refused.get("GET 200") == 1, refused
+            assert a.leading
+
+            # Another holder takes the Lease (valid for LEASE s): a must not write over it.
+            await edit(other, namespace, lambda lease: lease["spec"].update(holderIdentity="x"))
+            await until(lambda: not a.leading, RENEW + 5.0, "a to step down at its renew deadline")
+            lease = await other.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
+            assert lease is not None
+            assert lease["spec"]["holderIdentity"] == "x"
+        finally:
+            a.release = _no_release  # type: ignore[method-assign]
+            run_a.cancel()
+            await stopped_within(run_a)
+
+
+async def edit(c: KubeClient, namespace: str, change: Callable[[Obj], Any]) -> None:
+    """Read, change and write the Lease as a person's `kubectl edit` would: again on a 409 (the leader
+    renewed in between)."""
+    for _ in range(20):
+        lease = await c.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
+        assert lease is not None
+        change(lease)
+        try:
+            await c.replace(lease)
+            return
+        except ConflictError:
+            continue
+    raise AssertionError("the Lease could not be edited in 20 tries")

@@ -173,7 +173,8 @@ class _LoopCollector(Collector):
             yield CounterMetricFamily(
                 "servedmodel_leader_election_requests",
                 "API requests for the Lease (counted in servedmodel_kube_api_requests too): a fixed cost, "
-                "a GET and a PUT every retry period while leading, a GET while following.",
+                "a PUT every retry period while leading (and a GET when that PUT is refused), a GET while "
+                "following.",
                 self.elector.requests,
             )
 
