@@ -77,7 +77,7 @@ async def run(cycles: int, gap_s: float) -> dict[str, list[float]]:
                 out = await loop.submit(probe.run_probe(client, target, spec, **kwargs))
                 if out.failure is not None:
                     raise RuntimeError(f"probe failed: {out.failure}")
-                server = report._server(out)
+                server = report.server_latency(out)
                 client_ttft = out.figures.ttft_ms if out.figures is not None else None
                 if light and client_ttft is not None and server is not None and server.ttft_ms is not None:
                     excess[COLD if reader.reuse else WARM].append(client_ttft - server.ttft_ms)

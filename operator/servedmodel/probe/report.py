@@ -168,7 +168,9 @@ def handoff_ms(ph: Mapping[str, float]) -> float | None:
     return max(0.0, ttft - queue - prefill)
 
 
-def _server(out: ProbeOutcome) -> ServerLatency | None:
+def server_latency(out: ProbeOutcome) -> ServerLatency | None:
+    """The engine's own phase latencies for the probe's request, from its histograms' deltas over the
+    cycle (None without a window, or across a counter reset)."""
     w = out.window
     if w is None or w.reset:
         return None
@@ -261,7 +263,7 @@ def build_status(out: ProbeOutcome, spec: ProbeSpec, previous: ProbeStatus | Non
     f = publishable_figures(out) if out.ok else None
     t = out.timing if out.ok else None
     checks = ProbeChecks(**out.checks) if out.ok else ProbeChecks()
-    server = _server(out) if out.ok else None
+    server = server_latency(out) if out.ok else None
     usage = None
     if t is not None and t.usage:
         usage = ProbeUsage(
