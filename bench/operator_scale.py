@@ -7,19 +7,27 @@ Method
   with `resources.gpus: 0`, so GPUs do not limit scheduling and kwok makes every pod Ready.
 - One simulator on 127.0.0.1; the operator runs as a subprocess (`servedmodel run -n bench`) with
   SERVEDMODEL_ENDPOINT_OVERRIDE pointing at it, so every probe goes to that one simulator.
+- `--namespaces K` spreads the ServedModels over K namespaces (bench-000 …, model i in i mod K; the
+  operator watches `-n 'bench-*'`). Why: the controller-manager's ReplicaSet, Deployment and
+  EndpointSlice controllers find the owners and Services of a changed Pod by matching every ReplicaSet,
+  Deployment and Service of its namespace (client-go's GetPodReplicaSets, GetPodServiceMemberships), so
+  N models in one namespace cost it O(N) per Pod change and O(N²) in all: at 10,000 in one namespace the
+  controller-manager, not the operator, is what the fleet waits for.
 - The N ServedModels are created in parallel (16 connections) as fast as the API server takes them; a
   `kubectl get sm -w` stream stamps, per object, when its phase first became Ready and when
   status.probe.lastProbeTime first appeared.
 - Idle: after all are Ready (and probed, unless --no-probe), `--idle` seconds of nothing; the operator's
   /metrics before and after give its own API requests, the reconciler's status writes and the probe's.
-- Delete: all N deleted at once (one deletecollection request); gone = the ServedModels and their
-  Deployments no longer listed.
+- Delete: all N deleted at once (one deletecollection request per namespace); gone = the ServedModels
+  and their Deployments no longer listed.
 - The operator's RSS (VmRSS, sampled every second; the max) and CPU seconds (utime + stime).
 
     .venv/bin/python bench/operator_scale.py -n 100
     .venv/bin/python bench/operator_scale.py -n 1000 --idle 60
     .venv/bin/python bench/operator_scale.py -n 3000 --idle 60 --timeout 900
     .venv/bin/python bench/operator_scale.py -n 10000 --idle 60 --timeout 3600 --no-delete
+    .venv/bin/python bench/operator_scale.py -n 10000 --namespaces 100 --idle 60 --probe-interval 600 \
+        --timeout 3000 --no-delete
 
 Never a test: it prints a table (markdown with --markdown) for docs/benchmarks.md.
 """
@@ -60,11 +68,21 @@ MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMESPACE = "bench"
 
 
-def servedmodel(i: int, probe_interval: int, probe: bool) -> dict[str, Any]:
+def namespace_of(i: int, namespaces: int) -> str:
+    """Model i's namespace: NAMESPACE alone, or bench-000 … over `namespaces` (i mod namespaces)."""
+    return NAMESPACE if namespaces <= 1 else f"{NAMESPACE}-{i % namespaces:03d}"
+
+
+def scope(namespaces: int) -> list[str]:
+    """kubectl's namespace flags for the bench's objects (names are unique across its namespaces)."""
+    return ["-n", NAMESPACE] if namespaces <= 1 else ["-A"]
+
+
+def servedmodel(i: int, probe_interval: int, probe: bool, namespace: str = NAMESPACE) -> dict[str, Any]:
     return {
         "apiVersion": "inference.servedmodel.io/v1alpha1",
         "kind": "ServedModel",
-        "metadata": {"name": f"m{i:04d}", "namespace": NAMESPACE},
+        "metadata": {"name": f"m{i:04d}", "namespace": namespace},
         "spec": {
             "model": MODEL,
             "engine": {"kind": "simulator"},
@@ -118,15 +136,9 @@ class Watch:
 
     COLUMNS = "NAME:.metadata.name,PHASE:.status.phase,PROBE:.status.probe.lastProbeTime"
 
-    def __init__(self, cp: controlplane.ControlPlane) -> None:
-        self.cmd = [
-            str(cp.bin_dir / "kubectl"),
-            f"--kubeconfig={cp.kubeconfig}",
-            "get",
-            "sm",
-            "-n",
-            NAMESPACE,
-        ]
+    def __init__(self, cp: controlplane.ControlPlane, namespaces: int = 1) -> None:
+        kubectl = [str(cp.bin_dir / "kubectl"), f"--kubeconfig={cp.kubeconfig}"]
+        self.cmd = [*kubectl, "get", "sm", *scope(namespaces)]
         self.ready: dict[str, float] = {}
         self.probed: dict[str, float] = {}
         self.lock = threading.Lock()
@@ -183,8 +195,8 @@ class Watch:
                 self.proc.wait(timeout=5)
 
 
-def listing(cp: controlplane.ControlPlane, what: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cp.get_json(what, "-n", NAMESPACE, timeout=120)["items"]
+def listing(cp: controlplane.ControlPlane, what: str, namespaces: int = 1) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cp.get_json(what, *scope(namespaces), timeout=120)["items"]
     return items
 
 
@@ -217,17 +229,17 @@ STAGES = (
 )
 
 
-def stages(cp: controlplane.ControlPlane) -> dict[str, list[float]]:
+def stages(cp: controlplane.ControlPlane, namespaces: int = 1) -> dict[str, list[float]]:
     """Per ServedModel (one replica each), the stamps of STAGES; durations per stage, sorted."""
     stamps: dict[str, dict[str, float | None]] = {}
-    for sm in listing(cp, "servedmodels"):
+    for sm in listing(cp, "servedmodels", namespaces):
         stamps[sm["metadata"]["name"]] = {
             "sm": _stamp(sm["metadata"]["creationTimestamp"]),
             "ready": _condition_time(sm, "Ready"),
         }
-    for d in listing(cp, "deployments"):
+    for d in listing(cp, "deployments", namespaces):
         stamps.setdefault(d["metadata"]["name"], {})["deploy"] = _stamp(d["metadata"]["creationTimestamp"])
-    for pod in listing(cp, "pods"):
+    for pod in listing(cp, "pods", namespaces):
         owner = (pod["metadata"].get("labels") or {}).get("app.kubernetes.io/instance")
         if owner not in stamps:
             continue
@@ -247,8 +259,8 @@ def stages(cp: controlplane.ControlPlane) -> dict[str, list[float]]:
     return out
 
 
-def count(cp: controlplane.ControlPlane, what: str) -> int:
-    out = cp.kubectl("get", what, "-n", NAMESPACE, "--no-headers", "-o", "name", timeout=120).stdout
+def count(cp: controlplane.ControlPlane, what: str, namespaces: int = 1) -> int:
+    out = cp.kubectl("get", what, *scope(namespaces), "--no-headers", "-o", "name", timeout=120).stdout
     return len(out.split())
 
 
@@ -258,13 +270,16 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
     with contextlib.ExitStack() as stack:
         cp = stack.enter_context(controlplane.running(etcd_flags=[f"--quota-backend-bytes={ETCD_QUOTA}"]))
         sim = stack.enter_context(SimulatorProcess([MODEL, "--max-model-len", "4096"]))
-        prepare(cp, NAMESPACE)
+        spread = args.namespaces
+        prepare(cp, namespace_of(0, spread))
+        for k in range(1, min(spread, n)):
+            cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace_of(k, spread)}})
         for node in extra_nodes(n):
             cp.request("POST", "/api/v1/nodes", node)
         operator = stack.enter_context(
             OperatorProcess(
                 cp,
-                NAMESPACE,
+                NAMESPACE if spread <= 1 else f"{NAMESPACE}-*",
                 endpoint_override=sim.base_url,
                 log=args.log,
                 memory_profile=args.memory_profile,
@@ -272,7 +287,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
         )
         proc = Proc(operator.pid)
         stack.callback(proc.stop)
-        watch = Watch(cp)
+        watch = Watch(cp, spread)
         stack.callback(watch.stop)
         cpu_start, rss_start = proc.cpu_s(), proc.rss_mb()
         # Where the machine's CPU goes while busy: every component's, the simulator's, the operator's.
@@ -285,12 +300,9 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
         created: dict[str, float] = {}
 
         def create(i: int) -> None:
-            obj = servedmodel(i, args.probe_interval, not args.no_probe)
-            cp.request(
-                "POST",
-                f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels",
-                obj,
-            )
+            ns = namespace_of(i, spread)
+            obj = servedmodel(i, args.probe_interval, not args.no_probe, ns)
+            cp.request("POST", f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{ns}/servedmodels", obj)
             created[obj["metadata"]["name"]] = time.monotonic()
 
         spy = None
@@ -321,7 +333,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
             k: (n - api_start.get(k, (0.0, 0.0))[0], secs - api_start.get(k, (0.0, 0.0))[1])
             for k, (n, secs) in apiserver_requests(cp).items()
         }
-        stage_s = stages(cp)
+        stage_s = stages(cp, spread)
 
         time.sleep(args.idle)
         idle = scrape(operator.metrics_port)
@@ -334,15 +346,19 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
         # deletecollection (kubectl delete --all sends one DELETE per object, in turn). The server
         # stops deleting when the request ends (its own 60 s timeout, or a client that hangs up),
         # so the request is sent again until nothing is left.
-        collection = f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{NAMESPACE}/servedmodels"
+        collections = [
+            f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{namespace_of(k, spread)}/servedmodels"
+            for k in range(min(spread, n))
+        ]
         sm_gone = deploy_gone = None
         # --no-delete: the control plane is stopped with everything in it
         while not args.no_delete and time.monotonic() < t_delete + args.timeout:
             if sm_gone is None:
-                cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
-            if sm_gone is None and count(cp, "servedmodels") == 0:
+                for collection in collections:
+                    cp.kubectl("delete", "--raw", collection, check=False, timeout=120)
+            if sm_gone is None and count(cp, "servedmodels", spread) == 0:
                 sm_gone = time.monotonic() - t_delete
-            if sm_gone is not None and count(cp, "deployments") == 0:
+            if sm_gone is not None and count(cp, "deployments", spread) == 0:
                 deploy_gone = time.monotonic() - t_delete
                 break
             time.sleep(1.0)
@@ -457,6 +473,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this many s")
     parser.add_argument("--probe-interval", type=int, default=60, help="spec.probe.interval (default 60)")
     parser.add_argument("--no-probe", action="store_true", help="spec.probe.enabled: false")
+    parser.add_argument(
+        "--namespaces", type=int, default=1, help="spread the ServedModels over K namespaces (default 1)"
+    )
     parser.add_argument("--no-delete", action="store_true", help="skip the delete phase (its row says nan)")
     parser.add_argument("--log", type=Path, default=None, help="write the operator's log here")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
