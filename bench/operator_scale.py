@@ -379,6 +379,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
     req = "servedmodel_kube_api_requests"
     writes = "servedmodel_status_writes_total"
     probe_writes = "servedmodel_probe_status_writes_total"
+    pod_probes = "servedmodel_probe_pod_total"
 
     def verb_row(verb: str) -> str:
         sent = delta(base, busy, "servedmodel_kube_api_requests_by_verb_total", verb=verb)
@@ -430,6 +431,15 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
             "—"
             if args.no_probe
             else f"{delta(busy, idle, probe_writes) / max(1.0, n * args.idle / args.probe_interval):.2f}",
+        ),
+        (
+            # The row above divides by the cycles the interval asks for; right after a ramp the probes
+            # that actually ran in the idle window can be more (or fewer) than that.
+            f"idle {args.idle:.0f} s: pod probes run / probe writes per pod probe run",
+            "—"
+            if args.no_probe
+            else f"{delta(busy, idle, pod_probes):.0f} / "
+            f"{delta(busy, idle, probe_writes) / max(1.0, delta(busy, idle, pod_probes)):.2f}",
         ),
         (
             "reconcile passes while busy: count / mean s (apply) / mean s (from the cache)",
