@@ -271,9 +271,10 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
         cp = stack.enter_context(controlplane.running(etcd_flags=[f"--quota-backend-bytes={ETCD_QUOTA}"]))
         sim = stack.enter_context(SimulatorProcess([MODEL, "--max-model-len", "4096"]))
         spread = args.namespaces
-        prepare(cp, namespace_of(0, spread))
-        for k in range(1, min(spread, n)):
-            cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace_of(k, spread)}})
+        namespaces = [namespace_of(k, spread) for k in range(min(spread, n))]
+        prepare(cp, namespaces[0])
+        for ns in namespaces[1:]:
+            cp.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
         for node in extra_nodes(n):
             cp.request("POST", "/api/v1/nodes", node)
         operator = stack.enter_context(
@@ -347,8 +348,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
         # stops deleting when the request ends (its own 60 s timeout, or a client that hangs up),
         # so the request is sent again until nothing is left.
         collections = [
-            f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{namespace_of(k, spread)}/servedmodels"
-            for k in range(min(spread, n))
+            f"/apis/inference.servedmodel.io/v1alpha1/namespaces/{ns}/servedmodels" for ns in namespaces
         ]
         sm_gone = deploy_gone = None
         # --no-delete: the control plane is stopped with everything in it
