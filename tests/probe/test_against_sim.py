@@ -23,7 +23,7 @@ from probe_support import PrometheusServer, engine_steps, set_faults
 from loopback import SIM_ARGS
 from servedmodel.api.probe import ProbeSpec
 from servedmodel.probe import errors
-from servedmodel.probe.client import PodMetrics, ProbeOutcome, probe_client, run_probe
+from servedmodel.probe.client import PROBE_LOOP_STALLED, PodMetrics, ProbeOutcome, probe_client, run_probe
 from servedmodel.probe.endpoints import resolve_external
 from servedmodel.probe.metrics import METRICS_QUERY, parse_metrics, wanted_sample_names
 from servedmodel.probe.prometheus import PrometheusMetrics, selector
@@ -42,6 +42,10 @@ async def probe(url: str, *, model: str | None = "qwen", metrics: bool = True, *
 def ground_truth(sim: SimulatorProcess, request_id_part: str) -> dict[str, Any]:
     rows = httpx.get(f"{sim.base_url}/debug/requests", params={"limit": 50}, timeout=5).json()
     return next(r for r in rows if request_id_part in r["request_id"])
+
+
+# Probes sent at most where the probe's own loop was held up while it read the stream (ProbeLoopStalled).
+STALLED_TRIES = 4
 
 
 def checks_of(out: ProbeOutcome) -> dict[str, tuple[str, str]]:
@@ -272,15 +276,27 @@ async def test_stop_learned_from_the_answer_when_the_model_never_says_it(faults:
 
 async def test_coalesced_stream_is_flagged_and_not_written_as_latency(faults: SimulatorProcess) -> None:
     """The whole stream held back and delivered in one lump: no TPOT of 0, no TTFT = e2e in status. Steps
-    of 60 ms: no hold-up of this test's own loop accounts for a lump of ~900 ms of decode (with 25 ms
-    steps a loaded CI machine held this loop up long enough to explain a ~375 ms lump, once in four
-    runs: Skipped/ProbeLoopStalled, rightly by the probe's rule)."""
+    of 60 ms, a lump of ~900 ms of decode. A probe whose own loop was measurably held up while it read the
+    stream says Skipped/ProbeLoopStalled, rightly by the probe's rule (a fresh-clone CI run at load 8 on
+    two cores did, with 60 ms steps; with 25 ms steps once in four runs): such a probe is sent again, up
+    to STALLED_TRIES times, and the first one that was not held up must flag the lump."""
     set_faults(faults, coalesce=True)
     spec = ProbeSpec(max_tokens=16)
+    stalled: list[str] = []
     with engine_steps(faults, 60):
-        out = await probe(faults.base_url, maxTokens=16)
-    assert out.failure is None
-    assert checks_of(out)["streaming"] == ("Fail", "CoalescedStream")
+        for _ in range(STALLED_TRIES):
+            out = await probe(faults.base_url, maxTokens=16)
+            assert out.failure is None
+            streaming = out.checks["streaming"]
+            if streaming.reason != PROBE_LOOP_STALLED:
+                break
+            # Skipped only where the probe measured its own hold-up: never as a way out of the verdict.
+            assert streaming.result == "Skipped", streaming
+            assert out.probe_stall_ms is not None or any(h > 0 for h in out.probe_held_up_ms), out
+            stalled.append(streaming.message)
+        else:
+            pytest.fail(f"every probe was held up by this machine: {stalled}")
+    assert checks_of(out)["streaming"] == ("Fail", "CoalescedStream"), stalled
     assert out.delivery is not None
     assert out.delivery.coalesced
     # The lump, by the clock: the client read the 16 tokens in a fraction of the engine's decode. (Not by
