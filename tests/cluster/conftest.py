@@ -26,7 +26,8 @@ import pytest
 import controlplane
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 90.0
+# A bound on a stuck start, not a target: at load 29 on 2 cores one operator wrote no log line in 90 s.
+STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 15.0
 LOOPBACK_TARGETS = "*.svc,*.svc.cluster.local,127.0.0.1"
 NO_ENGINE = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once

@@ -22,7 +22,10 @@ import faults
 from required import need
 from servedmodel.config import OperatorConfig
 
-pytestmark = pytest.mark.cluster
+# Each scenario's waits are bounded (hack/faults.py: 180 s to reconcile, the fault, CONVERGE_TIMEOUT_S,
+# a settle): together more than pytest's default 300 s on a loaded machine, where one converged and was
+# then cut off in its settle.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 
