@@ -149,3 +149,18 @@ def handlers(cache: Cache, controller: Controller) -> dict[str, Callable[[str, A
     cache.on_written = on_written(controller)
     cache.routed_on_write = {SERVED_MODEL}
     return {w.kind: route(w.kind, cache, controller) for w in WATCHES}
+
+
+def leader_keys(cache: Cache) -> list[tuple[str, str]]:
+    """Every cached ServedModel's key, for a replica that starts leading to look at once: the unsettled
+    first (a generation not yet observed, or a phase other than Ready). The queue is FIFO, so models
+    mid-creation when the Lease changed hands would otherwise wait behind a no-op pass over every settled
+    one; on a starved machine, a leader that kept losing and retaking its Lease never reached them."""
+
+    def settled(key: tuple[str, str]) -> bool:
+        obj = cache.get(SERVED_MODEL, *key) or {}
+        status = obj.get("status") or {}
+        observed = status.get("observedGeneration") == (obj.get("metadata") or {}).get("generation")
+        return observed and status.get("phase") == conditions.READY
+
+    return sorted(cache.keys(SERVED_MODEL), key=settled)  # stable: False (unsettled) first

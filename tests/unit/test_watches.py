@@ -8,7 +8,7 @@ from typing import Any
 
 from servedmodel.controller import Controller
 from servedmodel.k8s import Cache
-from servedmodel.watches import handlers, reconciler_inputs, route
+from servedmodel.watches import handlers, leader_keys, reconciler_inputs, route
 
 
 def body(serving: dict[str, Any] | None = None, *, generation: int = 1, ttft: float = 0.1) -> dict[str, Any]:
@@ -94,3 +94,24 @@ def test_a_write_answer_carrying_a_new_generation_enqueues_and_our_own_status_do
     event(at(12, 2, "Ready"))  # the user's event, late: older than the cache, ignored
     event(at(13, 2, "Ready"))  # the write's own: equal, no change
     assert enqueued == [("a", "m")]
+
+
+def test_a_new_leader_looks_at_the_unsettled_first() -> None:
+    """leader_keys: the queue is FIFO, so a model mid-creation must not wait behind no-op passes over the
+    settled ones; the order is otherwise the cache's."""
+    cache = Cache()
+    cache.track("ServedModel")
+
+    def sm(name: str, *, generation: int, observed: int | None, phase: str | None) -> dict[str, Any]:
+        status = {"observedGeneration": observed, "phase": phase} if observed is not None else {}
+        return {
+            "metadata": {"name": name, "namespace": "a", "uid": name, "generation": generation},
+            "status": status,
+        }
+
+    cache.upsert("ServedModel", sm("ready-1", generation=1, observed=1, phase="Ready"))
+    cache.upsert("ServedModel", sm("new", generation=1, observed=None, phase=None))
+    cache.upsert("ServedModel", sm("ready-2", generation=2, observed=2, phase="Ready"))
+    cache.upsert("ServedModel", sm("edited", generation=3, observed=2, phase="Ready"))
+    cache.upsert("ServedModel", sm("degraded", generation=1, observed=1, phase="Degraded"))
+    assert [name for _, name in leader_keys(cache)] == ["degraded", "edited", "new", "ready-1", "ready-2"]

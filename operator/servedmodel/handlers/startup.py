@@ -240,7 +240,7 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
 
     async def start_leading() -> None:
         await controller.start()
-        for key in cache.keys("ServedModel"):  # a new leader looks at everything once
+        for key in watches.leader_keys(cache):  # a new leader looks at everything once
             controller.enqueue(*key)
         if membership is None:  # with sharding, run() starts every replica's share, leader or not
             await start_scheduler(memo)
