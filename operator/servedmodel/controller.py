@@ -5,8 +5,8 @@ controller-runtime's controller, in asyncio.
 Who enqueues (``controller.enqueue(namespace, name)``): the informers' handlers (watches.py: a
 ServedModel or one of its children changed in the watch-fed cache), the probe scheduler (Serving
 changed), the resync, the controller itself (retries), and a replica that starts leading (every key
-once). Nothing else runs a reconcile. Only the leader runs workers: `start()` after `stop()` begins with
-a fresh queue, which the new term fills.
+once, the unsettled first: watches.leader_keys). Nothing else runs a reconcile. Only the leader runs
+workers: `start()` after `stop()` begins with a fresh queue, which the new term fills.
 
 Queue semantics (as client-go's):
 - a key is queued at most once: enqueueing a key that is already waiting is a no-op;
