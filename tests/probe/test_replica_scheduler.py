@@ -253,9 +253,10 @@ def test_a_slower_new_revision_is_held_by_the_latency_guard(sims: list[Simulator
             r = await asyncio.to_thread(httpx.post, f"{sims[2].base_url}/admin/config", json=slow, timeout=5)
             r.raise_for_status()
             cluster.pods[PODS[2]] = revision_pod(2, "new2")
-            # A cycle whose figures a stall of the probe's own loop took (a loaded machine) holds the
-            # gate without judging (LatencyNotCompared); the guard judges on the next clean one.
-            for _ in range(5):
+            # A cycle whose figures a stall of the probe's own loop took (a loaded machine), the new pod's
+            # or every old pod's, holds the gate without judging (LatencyNotCompared); the guard judges on
+            # the next clean one.
+            for _ in range(10):
                 await sched.run_cycle(("ns", "qwen"))
                 assert [cluster.gate(n) for n in PODS] == ["True", "True", "False"]
                 if cluster.body["status"]["rollout"]["failingReason"] != "LatencyNotCompared":

@@ -514,7 +514,8 @@ def test_latency_regression_against_the_proven_revisions_pods(
 def test_figures_a_stall_of_the_probe_took_are_not_compared_and_hold_the_gate() -> None:
     """A new pod whose figures a stall of the probe's own loop took is neither judged slow nor let
     through: LatencyNotCompared until a cycle compares it. A stalled baseline pod is left out of the
-    median; a stall that took only the decode still lets TTFT convict."""
+    median; a stall that took only the decode still lets TTFT convict. Stalls that took every baseline
+    pod's figure leave nothing to compare with: LatencyNotCompared too, not a pass."""
     slow = timed("n", 90.0)
     slow.outcome.probe_stall_first_token = True
     slow.outcome.probe_stall_ms = 412.0
@@ -538,6 +539,17 @@ def test_figures_a_stall_of_the_probe_took_are_not_compared_and_hold_the_gate() 
     stalled_old = timed("o2", 5.0)
     stalled_old.outcome.probe_stall_first_token = True
     assert replicas.latency_regression(timed("n", 40.0), [timed("o1", 30.0), stalled_old], 1.5) is None
+    # Every baseline pod's figures taken: nothing to compare with this cycle, and not let through.
+    verdict = replicas.latency_regression(timed("n", 300.0, tpot=20.0), [stalled_old], 1.5)
+    assert verdict is not None
+    assert verdict[0] == "LatencyNotCompared"
+    assert verdict[1].startswith("TTFT and TPOT not compared with the last proven revision's pods")
+    decode_old = timed("o3", 30.0)
+    decode_old.outcome.probe_stall_decode = True
+    verdict = replicas.latency_regression(timed("n", 40.0, tpot=20.0), [decode_old], 1.5)
+    assert verdict is not None
+    assert verdict[0] == "LatencyNotCompared"
+    assert verdict[1].startswith("TPOT not compared")  # TTFT compared (x1.3: within x1.5)
 
 
 def test_a_held_pod_keeps_its_gate_closed_and_an_open_one_is_not_closed() -> None:

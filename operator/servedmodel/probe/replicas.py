@@ -411,7 +411,8 @@ def latency_regression(
     revision's serving pods probed in the same cycle), as (reason, message), or None. LatencyRegression:
     its TTFT or TPOT above max_ratio times their median and above it by more than LATENCY_NOISE_MS.
     LatencyNotCompared: a stall of the probe's own loop took its figures, so this cycle cannot tell a slow
-    engine from a slow prober (the next one compares again). Baseline figures a stall took are left out."""
+    engine from a slow prober (the next one compares again); or it took every baseline pod's figure, so
+    there is nothing to compare with this cycle (a stall of a few baseline pods only leaves them out)."""
 
     def figure(x: PodResult, attr: str) -> float | None:
         # A stall before the first token took TTFT and TPOT (TPOT runs from it); one in the decode, TPOT.
@@ -421,9 +422,12 @@ def latency_regression(
         value: float | None = getattr(fig, attr)
         return value
 
+    baseline_taken: list[str] = []  # figures of r that every baseline pod lost to a stall
     for label, attr in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
         new = figure(r, attr)
         old = [v for b in baseline if (v := figure(b, attr)) is not None]
+        if new is not None and not old and any(b.outcome.stall_took_figures for b in baseline):
+            baseline_taken.append(label)
         if new is None or not old:
             continue
         median = statistics.median(old)
@@ -439,6 +443,13 @@ def latency_regression(
         return LATENCY_NOT_COMPARED, (
             f"{taken} not compared with the last proven revision's pods this cycle: the probe's own loop "
             f"stalled {r.outcome.probe_stall_ms or 0:.0f} ms while it read this pod's stream "
+            "(spec.rollout.maxLatencyRegression is checked again next cycle)"
+        )
+    if baseline_taken:
+        # Not let through for want of a comparison: at load 15 a 10x slower pod opened its gate so.
+        return LATENCY_NOT_COMPARED, (
+            f"{' and '.join(baseline_taken)} not compared with the last proven revision's pods this cycle: "
+            "the probe's own loop stalled while it read every one of theirs "
             "(spec.rollout.maxLatencyRegression is checked again next cycle)"
         )
     return None
