@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from .api import API_GROUP_VERSION, PLURAL, conditions, names
+from .api.base import Key
 from .api.probe import rollout_verdict
 from .controller import Controller
 from .k8s import Cache
@@ -151,13 +152,13 @@ def handlers(cache: Cache, controller: Controller) -> dict[str, Callable[[str, A
     return {w.kind: route(w.kind, cache, controller) for w in WATCHES}
 
 
-def leader_keys(cache: Cache) -> list[tuple[str, str]]:
+def leader_keys(cache: Cache) -> list[Key]:
     """Every cached ServedModel's key, for a replica that starts leading to look at once: the unsettled
     first (a generation not yet observed, or a phase other than Ready). The queue is FIFO, so models
     mid-creation when the Lease changed hands would otherwise wait behind a no-op pass over every settled
     one; on a starved machine, a leader that kept losing and retaking its Lease never reached them."""
 
-    def settled(key: tuple[str, str]) -> bool:
+    def settled(key: Key) -> bool:
         obj = cache.get(SERVED_MODEL, *key) or {}
         status = obj.get("status") or {}
         observed = status.get("observedGeneration") == (obj.get("metadata") or {}).get("generation")

@@ -7,25 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import replica_support
+from probe_support import engine_steps
 from replica_support import Cluster
 
-from loopback import SIM_ARGS
 from servedmodel.prober import ProbeScheduler
 from servedmodel.sim.process import SimulatorProcess
 
-# The engine step of the blocked-main-loop test's simulator: 10 ms, not SIM_ARGS's 2 ms. On a busy 2-core
-# machine the probe's thread waits a few ms for a core now and then, under the hold-up it marks as a
-# stall; at 2 ms steps that paired tokens (ITL p50 0.0 ms at load 4), at 10 ms it does not, and the main
-# loop's 50 ms bursts still read five tokens a lump.
+# The engine step the blocked-main-loop test sets on the module's simulator: 10 ms, not SIM_ARGS's 2 ms.
+# On a busy 2-core machine the probe's thread waits a few ms for a core now and then, under the hold-up it
+# marks as a stall; at 2 ms steps that paired tokens (ITL p50 0.0 ms at load 4), at 10 ms it does not,
+# and the main loop's 50 ms bursts still read five tokens a lump.
 ENGINE_STEP_MS = 10.0
 
 
@@ -41,14 +40,6 @@ def external(namespace: str, name: str, url: str, **probe: Any) -> dict[str, Any
             "probe": {"interval": 5, "checkLimits": False, **probe},
         },
     }
-
-
-@pytest.fixture
-def ten_ms_steps() -> Iterator[SimulatorProcess]:
-    args = list(SIM_ARGS)
-    args[args.index("--sim-step-base-ms") + 1] = f"{ENGINE_STEP_MS:g}"
-    with SimulatorProcess(args, ready_timeout=60) as s:
-        yield s
 
 
 @pytest.fixture
@@ -176,14 +167,12 @@ def engine_lateness(base_url: str) -> float:
     """The simulator's step-end lateness p50 (ms) since the last call, and its record reset: how far the
     engine itself fell behind its step grid. A step that ends late is followed at once by the next one
     (sim/engine.py's EngineLoop keeps its grid), so its tokens leave in pairs whoever reads them."""
-    with urllib.request.urlopen(f"{base_url}/debug/engine", timeout=30) as r:
-        p50 = float(json.loads(r.read())["lateness_p50_ms"])
-    reset = urllib.request.Request(f"{base_url}/debug/reset", method="POST")
-    urllib.request.urlopen(reset, timeout=30).close()
+    p50 = float(httpx.get(f"{base_url}/debug/engine", timeout=30).json()["lateness_p50_ms"])
+    httpx.post(f"{base_url}/debug/reset", timeout=30).raise_for_status()
     return p50
 
 
-def test_the_probes_clock_ignores_a_blocked_main_loop(ten_ms_steps: SimulatorProcess) -> None:
+def test_the_probes_clock_ignores_a_blocked_main_loop(faults: SimulatorProcess) -> None:
     """The main loop blocked 94 % of the time (50 ms bursts, 3 ms apart) while the scheduler probes the
     simulator (10 ms engine steps, 32 tokens: ~320 ms of decode). On the main loop the stream was read in
     lumps (CoalescedStream, no TTFT/TPOT published); on the probe loop the client figures match the
@@ -194,7 +183,7 @@ def test_the_probes_clock_ignores_a_blocked_main_loop(ten_ms_steps: SimulatorPro
     marks its sample (not a failure of the engine, and not published as its latency), and one so busy
     that the simulator's median step ended a step late sent tokens in pairs that any client reads as
     pairs; both wait for the next cycle, up to the loop's bound."""
-    sim = ten_ms_steps
+    sim = faults
     judged: list[tuple[dict[str, Any], float]] = []  # (write, the engine's lateness p50 in its cycle)
 
     async def main() -> None:
@@ -219,7 +208,8 @@ def test_the_probes_clock_ignores_a_blocked_main_loop(ten_ms_steps: SimulatorPro
             await sched.stop()
         assert counts["bursts"] > 5
 
-    asyncio.run(main())
+    with engine_steps(sim, ENGINE_STEP_MS):
+        asyncio.run(main())
     on_time = [w for w, late in judged if not stalled(w) and late < ENGINE_STEP_MS]
     assert on_time, [(w["probe"].get("message"), late) for w, late in judged]
     probe = on_time[0]["probe"]

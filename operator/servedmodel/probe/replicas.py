@@ -446,7 +446,7 @@ def latency_regression(
             "(spec.rollout.maxLatencyRegression is checked again next cycle)"
         )
     if baseline_taken:
-        # Not let through for want of a comparison: at load 15 a 10x slower pod opened its gate so.
+        # Not let through for want of a comparison (before, None here opened the gate).
         return LATENCY_NOT_COMPARED, (
             f"{' and '.join(baseline_taken)} not compared with the last proven revision's pods this cycle: "
             "the probe's own loop stalled while it read every one of theirs "
