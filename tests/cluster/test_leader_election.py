@@ -131,6 +131,68 @@ async def test_a_cancel_that_lands_as_a_renewal_completes_stops_the_leader(
         assert lease["spec"]["holderIdentity"] == ""  # released on the way out
 
 
+class HangOnce(KubeClient):
+    """The real client; when `hang` is set, the next PUT is never answered (a request lost on the way, or
+    an API server that took it and went quiet): it waits until the caller gives up on it."""
+
+    hang = False
+    hung = 0  # PUTs that hung and were given up
+
+    async def replace(self, obj: Obj) -> Obj:
+        if self.hang:
+            self.hang = False
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.hung += 1
+        return await super().replace(obj)
+
+
+async def test_one_hung_renewal_does_not_cost_the_lease(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """A renewal whose PUT is never answered is given up after the try timeout (half the renew deadline, as
+    controller-runtime's Lease client), and the next try renews in time. Bounded by what was left of the
+    deadline instead, the one hung PUT used all of it and the leader stepped down."""
+    renew = 8.0  # a try timeout of 4 s, and 3.5 s left after it for the next try on a loaded machine
+    async with HangOnce(load_identity(bare_control_plane.kubeconfig)) as c:
+        a = LeaderElector(
+            c,
+            namespace,
+            "test-lease",
+            "a",
+            lease_duration_s=12.0,
+            renew_deadline_s=renew,
+            retry_period_s=RETRY,
+        )
+        assert a.try_timeout_s == renew / 2
+        stepped_down: list[bool] = []
+
+        async def started() -> None:
+            return None
+
+        async def stopped() -> None:
+            stepped_down.append(True)
+
+        run_a = asyncio.create_task(a.run(started, stopped))
+        try:
+            await until(lambda: a.leading, 10.0)
+            renewals = a.requests
+            await until(lambda: a.requests > renewals, 10.0, "a renewal")
+            c.hang = True
+            await until(lambda: c.hung == 1, renew + 5.0, "the hung PUT to be given up")
+            renewals = a.requests
+            await until(lambda: a.requests > renewals + 1, 10.0, "renewals after the hung one")
+            await asyncio.sleep(renew)  # past the deadline the hung try would have used up
+            assert a.leading
+            assert not stepped_down
+            assert a.transitions == 1
+        finally:
+            a.release = _no_release  # type: ignore[method-assign]
+            run_a.cancel()
+            await stopped_within(run_a)
+
+
 def sent(c: KubeClient) -> dict[str, int]:
     """Requests this client sent so far, by method and status ("PUT 200")."""
     return {f"{m} {code}": n for (m, code), n in c.requests.items()}

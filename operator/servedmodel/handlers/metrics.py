@@ -15,7 +15,9 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections import Counter as CounterType
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -58,8 +60,9 @@ STATUS_WRITES_TOTAL = Counter(
 )
 KUBE_REQUESTS = Gauge(
     "servedmodel_kube_api_requests",
-    "HTTP requests the operator's Kubernetes client has sent to the API server (retries included); "
-    "watches included (servedmodel_kube_api_requests_by_verb splits this by verb and code).",
+    "HTTP requests the operator's Kubernetes clients (the workers' and the Leases') have sent to the API "
+    "server (retries included); watches included (servedmodel_kube_api_requests_by_verb splits this by "
+    "verb and code).",
     registry=REGISTRY,
 )
 
@@ -69,25 +72,33 @@ class _LoopCollector(Collector):
 
     def __init__(
         self,
-        client: KubeClient,
+        clients: Sequence[KubeClient],
         cache: Cache,
         controller: Controller,
         informers: Informers | None = None,
         elector: LeaderElector | None = None,
     ) -> None:
-        self.client, self.cache, self.controller = client, cache, controller
+        self.clients, self.cache, self.controller = clients, cache, controller
         self.informers, self.elector = informers, elector
 
     def collect(self) -> Iterator[Metric]:
         by_verb = CounterMetricFamily(
             "servedmodel_kube_api_requests_by_verb",
-            "HTTP requests of the operator's Kubernetes client by method and status code (0: no answer).",
+            "HTTP requests of the operator's Kubernetes clients by method and status code (0: no answer).",
             labels=["verb", "code"],
         )
-        for (verb, code), n in sorted(self.client.requests.items()):
+        requests: CounterType[tuple[str, int]] = CounterType()
+        slot_wait: defaultdict[str, float] = defaultdict(float)
+        response: defaultdict[str, float] = defaultdict(float)
+        for client in self.clients:
+            requests.update(client.requests)
+            waited, answered = client.request_seconds
+            for into, values in ((slot_wait, waited), (response, answered)):
+                for verb, seconds in values.items():
+                    into[verb] += seconds
+        for (verb, code), n in sorted(requests.items()):
             by_verb.add_metric([verb, str(code)], n)
         yield by_verb
-        slot_wait, response = self.client.request_seconds
         for name, doc, values in (
             (
                 "servedmodel_kube_api_slot_wait_seconds",
@@ -106,7 +117,9 @@ class _LoopCollector(Collector):
                 family.add_metric([verb], seconds)
             yield family
         yield GaugeMetricFamily(
-            "servedmodel_kube_api_in_flight", "Kubernetes API requests in flight now.", self.client.in_flight
+            "servedmodel_kube_api_in_flight",
+            "Kubernetes API requests in flight now.",
+            sum(c.in_flight for c in self.clients),
         )
         q = self.controller.queue
         depth = GaugeMetricFamily(
@@ -172,7 +185,8 @@ class _LoopCollector(Collector):
             )
             yield CounterMetricFamily(
                 "servedmodel_leader_election_requests",
-                "API requests for the Lease (counted in servedmodel_kube_api_requests too): a fixed cost, "
+                "API requests for the Lease, on a client of their own (counted in "
+                "servedmodel_kube_api_requests too): a fixed cost, "
                 "a PUT every retry period while leading (and a GET when that PUT is refused), a GET while "
                 "following.",
                 self.elector.requests,
@@ -183,18 +197,18 @@ _COLLECTOR: list[_LoopCollector] = []
 
 
 def watch_loop(
-    client: KubeClient,
+    clients: Sequence[KubeClient],
     cache: Cache,
     controller: Controller,
     informers: Informers | None = None,
     elector: LeaderElector | None = None,
 ) -> None:
-    """Export the client's, cache's, controller's, informers' and leader election's figures (once per
+    """Export the clients', cache's, controller's, informers' and leader election's figures (once per
     process; a restart replaces them)."""
-    KUBE_REQUESTS.set_function(lambda: client.request_count)
+    KUBE_REQUESTS.set_function(lambda: sum(c.request_count for c in clients))
     for old in _COLLECTOR:
         REGISTRY.unregister(old)
-    _COLLECTOR[:] = [_LoopCollector(client, cache, controller, informers, elector)]
+    _COLLECTOR[:] = [_LoopCollector(clients, cache, controller, informers, elector)]
     REGISTRY.register(_COLLECTOR[0])
 
 

@@ -7,6 +7,9 @@
 - The leader renews every `retry_period_s`; if no renewal succeeded for `renew_deadline_s` it stops
   leading (before the Lease can lapse for the others: renew_deadline < lease_duration). As client-go's
   fast path, a renewal is one PUT over the Lease this process last wrote; a GET only when that is refused.
+- Each try, a candidate's or a renewal, is bounded by `try_timeout_s`: half the renew deadline, at least
+  1 s (controller-runtime's Lease client timeout), so one hung request leaves time for another try
+  instead of using up the whole renew deadline.
 - On shutdown the leader releases the Lease (holder "", leaseDurationSeconds 1), so a follower takes over
   at its next try instead of after a whole lease duration.
 
@@ -37,6 +40,11 @@ LEASE_API: Final = "coordination.k8s.io/v1"
 JITTER: Final = 1.2
 
 
+def try_timeout(renew_deadline_s: float) -> float:
+    """Seconds one Lease request may take with this renew deadline: half of it, at least 1 s."""
+    return max(1.0, renew_deadline_s / 2)
+
+
 def _micro_time(t: datetime | None = None) -> str:
     """metav1.MicroTime as the API server writes it."""
     return (t or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -64,6 +72,12 @@ class LeaderElector:
         if not self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
             raise ValueError("leader election needs retry period < renew deadline < lease duration")
 
+    @property
+    def try_timeout_s(self) -> float:
+        """The most one try may take: controller-runtime gives its Lease client max(1 s, RenewDeadline/2)
+        "to keep a single hung request from forcing a leader loss" (pkg/leaderelection)."""
+        return try_timeout(self.renew_deadline_s)
+
     async def run(
         self, on_started: Callable[[], Awaitable[None]], on_stopped: Callable[[], Awaitable[None]]
     ) -> None:
@@ -88,21 +102,27 @@ class LeaderElector:
                 await asyncio.shield(self.release())
 
     async def _acquire(self) -> None:
-        while not await self.try_acquire_or_renew():  # noqa: ASYNC110 - polling the API is the protocol
+        while not await self._try(self.try_timeout_s):  # noqa: ASYNC110 - polling the API is the protocol
             await asyncio.sleep(self.retry_period_s * self.rng.uniform(1.0, JITTER))
+
+    async def _try(self, timeout_s: float) -> bool:
+        """One try within `timeout_s`; a try that runs out is a failed one."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a cancel lands as
+        # the try completes, and the cancelled leader then renews on for ever.
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self.try_acquire_or_renew()
+        except TimeoutError:
+            log.info("leader election: a try for the Lease took over %.1f s; trying again", timeout_s)
+            return False
 
     async def _renew(self) -> None:
         """Renew until a renewal has not succeeded for renew_deadline_s; then return (leadership lost)."""
         last_ok = self.clock()
         while True:
             await asyncio.sleep(self.retry_period_s)
-            try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a cancel
-                # lands as the renewal completes, and the cancelled leader then renews on for ever.
-                async with asyncio.timeout(max(0.1, self.renew_deadline_s - (self.clock() - last_ok))):
-                    ok = await self.try_acquire_or_renew()
-            except TimeoutError:
-                ok = False
+            left = self.renew_deadline_s - (self.clock() - last_ok)
+            ok = await self._try(max(0.1, min(self.try_timeout_s, left)))
             if ok:
                 last_ok = self.clock()
             elif self.clock() - last_ok >= self.renew_deadline_s:
