@@ -206,8 +206,9 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
     )
     # The Leases get a client of their own, as controller-runtime's leader election does: a renewal never
     # waits behind the workers' requests for one of the shared client's in-flight slots (at load, 200
-    # ServedModels on a busy machine, the leader lost its Lease eight times in five minutes that way).
-    # Each request is bounded by the try timeout and not retried within a try: the next try is the retry.
+    # ServedModels on a busy machine, a leader sharing them missed its renew deadline eight times in five
+    # minutes). Each request is bounded by the try timeout and not retried within a try: the next try is
+    # the retry.
     lease_client = memo.lease_client = (
         KubeClient(
             client.identity,
