@@ -15,6 +15,7 @@ from cluster_support import until
 
 import controlplane
 from servedmodel.api.base import Obj
+from servedmodel.config import OperatorConfig
 from servedmodel.k8s import KubeClient, load_identity
 from servedmodel.k8s.client import ConflictError
 from servedmodel.k8s.leader import LeaderElector
@@ -154,16 +155,19 @@ async def test_one_hung_renewal_does_not_cost_the_lease(
     """A renewal whose PUT is never answered is given up after the try timeout (half the renew deadline, as
     controller-runtime's Lease client), and the next try renews in time. Bounded by what was left of the
     deadline instead, the one hung PUT used all of it and the leader stepped down."""
-    renew = 8.0  # a try timeout of 4 s, and 3.5 s left after it for the next try on a loaded machine
+    # The operator's defaults (12/8/2): the hung try starts a retry period after the last renewal and is
+    # given up 4 s later; the next goes at once with the 2 s left (a retry period later would be too late).
+    defaults = OperatorConfig()
+    renew = defaults.renew_deadline
     async with HangOnce(load_identity(bare_control_plane.kubeconfig)) as c:
         a = LeaderElector(
             c,
             namespace,
             "test-lease",
             "a",
-            lease_duration_s=12.0,
+            lease_duration_s=defaults.lease_duration,
             renew_deadline_s=renew,
-            retry_period_s=RETRY,
+            retry_period_s=defaults.retry_period,
         )
         assert a.try_timeout_s == renew / 2
         stepped_down: list[bool] = []
