@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from servedmodel.config import OperatorConfig
 from servedmodel.k8s import KubeClient, load_identity
 from servedmodel.k8s.client import ConflictError
 from servedmodel.k8s.leader import LeaderElector
+from servedmodel.probe.loop import ProbeLoop, calling
 
 pytestmark = pytest.mark.cluster
 
@@ -195,6 +197,62 @@ async def test_one_hung_renewal_does_not_cost_the_lease(
             a.release = _no_release  # type: ignore[method-assign]
             run_a.cancel()
             await stopped_within(run_a)
+
+
+async def test_a_main_loop_busy_past_the_renew_deadline_does_not_cost_the_lease(
+    bare_control_plane: controlplane.ControlPlane, namespace: str
+) -> None:
+    """As the operator runs it (handlers/startup.py): the elector on a loop of its own thread, the leader's
+    work on the main loop. The main thread then computes for longer than the renew deadline (a burst of
+    watch events and reconciles at load, here a busy loop holding the GIL but for its hand-overs): the
+    Lease is renewed all the while and the leader never steps down. On the main loop, nothing renewed it
+    for those 10 s and the leader stepped down as soon as its loop ran again."""
+    defaults = OperatorConfig()
+    leases = ProbeLoop(name="test-leases")
+    leases.start()
+    c = KubeClient(load_identity(bare_control_plane.kubeconfig))  # used, and closed, on the leases' loop
+    a = LeaderElector(
+        c,
+        namespace,
+        "test-lease",
+        "a",
+        lease_duration_s=defaults.lease_duration,
+        renew_deadline_s=defaults.renew_deadline,
+        retry_period_s=defaults.retry_period,
+    )
+    main = asyncio.get_running_loop()
+    stepped_down: list[bool] = []
+
+    async def started() -> None:
+        assert asyncio.get_running_loop() is main
+
+    async def stopped() -> None:
+        stepped_down.append(True)
+
+    run_a = await leases.spawn(a.run(calling(main, started), calling(main, stopped)))
+    try:
+        await until(lambda: a.leading, 10.0)
+        before, end = a.requests, time.monotonic() + defaults.renew_deadline + 2.0
+        while time.monotonic() < end:  # the main loop runs nothing else until this ends
+            pass
+        renewed = a.requests - before
+        await asyncio.sleep(0.5)  # a step-down's callback, had there been one, runs here
+        assert renewed >= 3, f"{renewed} renewals while the main loop was busy"
+        assert a.leading
+        assert not stepped_down
+        assert a.transitions == 1
+    finally:
+        await leases.cancel(run_a)  # stops leading through the main loop, releases the Lease
+        await leases.stop([c.aclose])
+    lease = await _read_lease(bare_control_plane, namespace)
+    assert lease["spec"]["holderIdentity"] == ""  # released, from the leases' loop
+
+
+async def _read_lease(cp: controlplane.ControlPlane, namespace: str) -> Obj:
+    async with client(cp) as c:
+        lease = await c.get("coordination.k8s.io/v1", "leases", namespace, "test-lease")
+    assert lease is not None
+    return lease
 
 
 def sent(c: KubeClient) -> dict[str, int]:

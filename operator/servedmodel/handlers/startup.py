@@ -9,7 +9,9 @@ cache stays warm). kopf runs the process (signals, login, start-up and clean-up)
 memo.config (OperatorConfig), memo.client (servedmodel.k8s.KubeClient), memo.cache (servedmodel.k8s.Cache),
 memo.informers (servedmodel.k8s.informer.Informers), memo.controller (servedmodel.controller.Controller:
 ``memo.controller.enqueue(namespace, name)``), memo.elector (servedmodel.k8s.leader.LeaderElector or
-None), memo.probe_scheduler (servedmodel.prober.ProbeScheduler while this replica leads).
+None), memo.probe_scheduler (servedmodel.prober.ProbeScheduler while this replica leads), memo.lease_loop
+(servedmodel.probe.loop.ProbeLoop: the thread whose event loop runs the elector and the membership, with
+their client memo.lease_client, so the Leases never wait for the workers' loop).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from servedmodel.k8s import Cache, Identity, KubeClient, load_identity
 from servedmodel.k8s.informer import Informer, Informers
 from servedmodel.k8s.leader import LeaderElector, try_timeout
 from servedmodel.k8s.members import Membership
-from servedmodel.probe.loop import freeze_heap
+from servedmodel.probe.loop import ProbeLoop, calling, freeze_heap
 
 from . import health, metrics
 
@@ -220,6 +222,12 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
         if config.leader_election or config.probe_sharding
         else None
     )
+    # ... and a thread and event loop of their own. On the main loop a renewal's every step queued behind
+    # the workers' ready callbacks: at load ~26 on 2 cores the Lease requests took over 4 s and the leader
+    # stepped down. Here they wait only for the GIL (0.5 ms switch interval, probe/loop.py).
+    lease_loop = memo.lease_loop = ProbeLoop(name="servedmodel-leases") if lease_client is not None else None
+    if lease_loop is not None:
+        lease_loop.start()
     elector = memo.elector = (
         LeaderElector(
             lease_client,
@@ -273,13 +281,23 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
         # The imports and the first lists are here to stay: out of every later full collection, which
         # would otherwise stop the probe's thread for 100-260 ms each (probe/loop.py).
         logger.info("garbage collector: %d objects frozen", freeze_heap())
-        if membership is not None:
-            memo.membership_task = asyncio.create_task(membership.run(), name="servedmodel-membership")
+        if membership is not None and lease_loop is not None:
+            memo.membership_task = await lease_loop.spawn(membership.run(), name="servedmodel-membership")
             await start_scheduler(memo)
-        if elector is None:
+        if elector is None or lease_loop is None:
             await start_leading()
             return
-        await elector.run(start_leading, stop_leading)
+        main = asyncio.get_running_loop()
+
+        async def elect() -> None:
+            # On the Leases' loop; the leader's work starts and stops on this one.
+            try:
+                await elector.run(calling(main, start_leading), calling(main, stop_leading))
+            except Exception:
+                logger.exception("leader election stopped; this replica no longer stands")
+                raise
+
+        memo.elector_task = await lease_loop.spawn(elect(), name="servedmodel-leader-election")
 
     memo.supervisor = asyncio.create_task(run(), name="servedmodel-supervisor")
     logger.info(
@@ -310,23 +328,35 @@ async def _stop(memo: kopf.Memo) -> None:
 
     supervisor = getattr(memo, "supervisor", None)
     if isinstance(supervisor, asyncio.Task):
-        supervisor.cancel()  # stops leading (workers, probe) and releases the Lease
+        supervisor.cancel()
         await asyncio.gather(supervisor, return_exceptions=True)
+    lease_loop = getattr(memo, "lease_loop", None)
+    if not isinstance(lease_loop, ProbeLoop):
+        lease_loop = None
+    elector_task, memo.elector_task = getattr(memo, "elector_task", None), None
+    if lease_loop is not None and isinstance(elector_task, asyncio.Task):
+        await lease_loop.cancel(elector_task)  # stops leading (workers, probe) and releases the Lease
     await stop_scheduler(memo)
-    membership_task = getattr(memo, "membership_task", None)
-    if isinstance(membership_task, asyncio.Task):
-        membership_task.cancel()  # deletes this replica's Lease: the others take its share
-        await asyncio.gather(membership_task, return_exceptions=True)
+    membership_task, memo.membership_task = getattr(memo, "membership_task", None), None
+    if lease_loop is not None and isinstance(membership_task, asyncio.Task):
+        await lease_loop.cancel(membership_task)  # deletes this replica's Lease: the others take its share
     controller = getattr(memo, "controller", None)
     if isinstance(controller, Controller):
         await controller.stop()
     informers = getattr(memo, "informers", None)
     if isinstance(informers, Informers):
         await informers.stop()
-    for name in ("client", "lease_client"):
-        client = getattr(memo, name, None)
-        if isinstance(client, KubeClient):
-            await client.aclose()
+    client = getattr(memo, "client", None)
+    if isinstance(client, KubeClient):
+        await client.aclose()
+    lease_client, memo.lease_client = getattr(memo, "lease_client", None), None
+    closers = [lease_client.aclose] if isinstance(lease_client, KubeClient) else []
+    if lease_loop is not None:
+        await lease_loop.stop(closers)  # the Lease client is closed on the loop that used it
+        memo.lease_loop = None
+    else:
+        for close in closers:
+            await close()
     await _close_servers(memo)
 
 

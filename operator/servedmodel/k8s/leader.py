@@ -16,6 +16,9 @@
 `run(on_started, on_stopped)` loops for as long as the process lives: candidate → leader → (lost) →
 candidate. The callbacks start and stop the leader's work (handlers/startup.py: the workers and the
 probe); the informers keep running either way, so a follower's cache is warm when it takes over.
+The operator runs `run` on an event loop of its own thread and the callbacks on the main loop
+(probe/loop.calling): the clock that judges the renew deadline, and the renewals, never wait for the
+workers' loop (client-go's elector is goroutines that the Go scheduler preempts; one asyncio loop is not).
 """
 
 from __future__ import annotations
@@ -88,10 +91,15 @@ class LeaderElector:
                 self.leading = True
                 self.transitions += 1
                 log.info("leader election: %s leads (Lease %s/%s)", self.identity, self.namespace, self.name)
+                renewing = asyncio.create_task(self._renew(), name="lease-renewal")
                 try:
+                    # The Lease is renewed from the moment it is taken, beside the leader's start: a start
+                    # that waits for a busy loop must not hold the first renewals back.
                     await on_started()
-                    await self._renew()
+                    await renewing
                 finally:
+                    renewing.cancel()
+                    await asyncio.gather(renewing, return_exceptions=True)
                     self.leading = False
                     await on_stopped()
                 log.warning(
@@ -128,6 +136,7 @@ class LeaderElector:
             if ok:
                 last_ok, wait = self.clock(), self.retry_period_s
             elif self.clock() - last_ok >= self.renew_deadline_s:
+                self.leading = False  # at once: /readyz and the metrics say so before the work has stopped
                 return
             else:
                 # Retries tick from each try's start, as client-go's PollImmediate: after a try that ran out

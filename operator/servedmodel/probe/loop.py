@@ -251,10 +251,26 @@ def new_probe_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def calling(
+    loop: asyncio.AbstractEventLoop, fn: Callable[[], Coroutine[Any, Any, T]]
+) -> Callable[[], Awaitable[T]]:
+    """`fn` made callable from another loop's thread: each call runs `fn()` on `loop` and waits for it;
+    cancelling the caller cancels it there. On `loop` itself, a plain call."""
+
+    async def call() -> T:
+        if asyncio.get_running_loop() is loop:
+            return await fn()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(), loop))
+
+    return call
+
+
 class ProbeLoop:
-    """A thread running an event loop (`loop_factory`'s) for probes only. `start` and `stop` from the main
-    loop; `submit(coro)` runs the coroutine there and awaits its result here. Not started, `submit` runs
-    the coroutine on the caller's loop (tests that drive cycles themselves, the one-shot CLI)."""
+    """A thread running an event loop (`loop_factory`'s) for one kind of work: the probes, or the Leases
+    (handlers/startup.py: leader election's clock must not wait for the workers' loop). `start` and
+    `stop` from the main loop; `submit(coro)` runs the coroutine there and awaits its result here;
+    `spawn(coro)` starts it there as a task and `cancel(tasks)` ends such tasks, waiting for their clean-up.
+    Not started, these run on the caller's loop (tests that drive cycles themselves, the one-shot CLI)."""
 
     def __init__(
         self,
@@ -306,6 +322,25 @@ class ProbeLoop:
             return await coro
         fut = asyncio.run_coroutine_threadsafe(coro, loop)
         return await asyncio.wrap_future(fut)
+
+    async def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
+        """Start `coro` as a task on the loop; the handle is for `cancel` (it belongs to that loop)."""
+
+        async def start() -> asyncio.Task[T]:
+            return asyncio.get_running_loop().create_task(coro, name=name)
+
+        return await self.submit(start())
+
+    async def cancel(self, *tasks: asyncio.Task[Any]) -> None:
+        """Cancel `spawn`ed tasks, once each, and wait until their clean-up (a `finally` that releases a
+        Lease) has run. A cancel through `submit`'s future would return before that clean-up ran."""
+
+        async def there() -> None:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        await self.submit(there())
 
     async def stop(self, closers: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
         """Cancel what still runs there, run `closers` there (the clients it used), end the thread."""
