@@ -251,16 +251,21 @@ def new_probe_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+async def run_on(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on `loop` (another thread's) and wait for it here; cancelling this cancels it there.
+    With no loop, or this one, it runs here."""
+    if loop is None or loop is asyncio.get_running_loop():
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
 def calling(
     loop: asyncio.AbstractEventLoop, fn: Callable[[], Coroutine[Any, Any, T]]
 ) -> Callable[[], Awaitable[T]]:
-    """`fn` made callable from another loop's thread: each call runs `fn()` on `loop` and waits for it;
-    cancelling the caller cancels it there. On `loop` itself, a plain call."""
+    """`fn` made callable from another loop's thread: each call runs `fn()` on `loop` (run_on)."""
 
     async def call() -> T:
-        if asyncio.get_running_loop() is loop:
-            return await fn()
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(), loop))
+        return await run_on(loop, fn())
 
     return call
 
@@ -317,11 +322,7 @@ class ProbeLoop:
 
     async def submit(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the probe loop and wait for it; cancelling this cancels it there."""
-        loop = self._loop
-        if loop is None:
-            return await coro
-        fut = asyncio.run_coroutine_threadsafe(coro, loop)
-        return await asyncio.wrap_future(fut)
+        return await run_on(self._loop, coro)
 
     async def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
         """Start `coro` as a task on the loop; the handle is for `cancel` (it belongs to that loop)."""
