@@ -400,6 +400,7 @@ def leader_kill(
             for v in ("PATCH", "POST", "DELETE")
         )
         before = generations(cp, namespace)
+        held = leader_lease(cp, leader)
         leader.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         while metric(follower, "servedmodel_leader") != 1.0:
@@ -407,6 +408,10 @@ def leader_kill(
                 raise RuntimeError("the follower did not take over within 120 s")
             time.sleep(0.2)
         failovers.append(time.monotonic() - killed)
+        taken = leader_lease(cp, follower)
+        transitions = [lease["spec"].get("leaseTransitions", 0) for lease in (held, taken)]
+        if taken["metadata"]["name"] != held["metadata"]["name"] or transitions[1] != transitions[0] + 1:
+            raise RuntimeError(f"the follower leads without the killed leader's Lease: {held} -> {taken}")
         time.sleep(3.0)  # the new leader's first passes
         after = generations(cp, namespace)
         duplicates += sum(1 for k, g in after.items() if before.get(k, g) != g)
@@ -419,6 +424,16 @@ def leader_kill(
         f"follower writes {follower_writes:.0f}" + (f"; {row.detail}" if row.detail else "")
     )
     return row
+
+
+def leader_lease(cp: controlplane.ControlPlane, op: Operator) -> dict[str, Any]:
+    """The leader-election Lease `op` holds (its holder identity is `<host>_<pid>_<suffix>`,
+    handlers/startup.holder_identity); RuntimeError when it holds none."""
+    for lease in cp.request("GET", "/apis/coordination.k8s.io/v1/leases")["items"]:
+        holder = lease["spec"].get("holderIdentity") or ""
+        if lease["metadata"]["name"].startswith("servedmodel-operator") and f"_{op.pid}_" in holder:
+            return dict(lease)
+    raise RuntimeError(f"operator pid {op.pid} holds no servedmodel-operator Lease")
 
 
 def delete_recreate(cp: controlplane.ControlPlane, start: Start, namespace: str, rounds: int = 100) -> Row:

@@ -20,7 +20,6 @@ import yaml
 import controlplane
 import faults
 from required import need
-from servedmodel.config import OperatorConfig
 
 # Each scenario's waits are bounded (hack/faults.py: 180 s to reconcile, the fault, CONVERGE_TIMEOUT_S,
 # a settle): together more than pytest's default 300 s on a loaded machine, where one converged and was
@@ -104,8 +103,8 @@ def test_delete_and_recreate_one_name_a_hundred_times(
 def test_only_the_leader_writes_and_the_follower_takes_over(
     control_plane: controlplane.ControlPlane, namespace: str, start: faults.Start
 ) -> None:
+    # leader_kill checks the handover itself: the follower leads only by taking the killed leader's Lease
+    # (one more transition), within a bounded wait; the failover's seconds are bench/operator_faults.py's.
     row = faults.leader_kill(control_plane, start, namespace, rounds=1)
     check(row)
-    # One lease duration (the default) and its retry period, plus 10 s for the rest.
-    defaults = OperatorConfig()
-    assert max(row.samples) <= defaults.lease_duration + defaults.retry_period * 1.2 + 10.0, row.detail
+    assert len(row.samples) == 1, row.detail
