@@ -35,7 +35,7 @@ from servedmodel.k8s import Cache, Identity, KubeClient, load_identity
 from servedmodel.k8s.informer import Informer, Informers
 from servedmodel.k8s.leader import LeaderElector, try_timeout
 from servedmodel.k8s.members import Membership
-from servedmodel.probe.loop import ProbeLoop, calling, freeze_heap
+from servedmodel.probe.loop import MAIN_WATCH_PERIOD_S, LoopWatch, ProbeLoop, calling, freeze_heap
 
 from . import health, metrics
 
@@ -228,6 +228,13 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
     lease_loop = memo.lease_loop = ProbeLoop(name="servedmodel-leases") if lease_client is not None else None
     if lease_loop is not None:
         lease_loop.start()
+        # Its lag, what a renewal waits before it is sent: event_loop_lag_seconds{loop="leases"}.
+        from .prober import PROBE_METRICS
+
+        observe = PROBE_METRICS.loop_lag.labels("leases").observe
+        watch = LoopWatch(MAIN_WATCH_PERIOD_S, MAIN_WATCH_PERIOD_S, observe)
+        # Held: the loop keeps only a weak reference to a task, and one collected mid-wait stops ticking.
+        memo.leases_watch_task = await lease_loop.spawn(watch.run(), name="servedmodel-leases-loop-watch")
     elector = memo.elector = (
         LeaderElector(
             lease_client,
@@ -352,6 +359,9 @@ async def _stop(memo: kopf.Memo) -> None:
     lease_client, memo.lease_client = getattr(memo, "lease_client", None), None
     closers = [lease_client.aclose] if isinstance(lease_client, KubeClient) else []
     if lease_loop is not None:
+        leases_watch_task, memo.leases_watch_task = getattr(memo, "leases_watch_task", None), None
+        if isinstance(leases_watch_task, asyncio.Task):
+            await lease_loop.cancel(leases_watch_task)
         await lease_loop.stop(closers)  # the Lease client is closed on the loop that used it
         memo.lease_loop = None
     else:

@@ -13,7 +13,8 @@ many probes at once. `LoopWatch` measures a loop's lag as the
 overshoot of a short timer; on the probe loop it runs only while a probe's streams are read and remembers
 when the loop was stalled, so `stalled_ms(start, end)` says whether a stream was read on time (run_probe marks
 a sample taken during a stall: ProbeOutcome.probe_stall_ms). The main loop's watch runs always, slower.
-Both lags are exported as servedmodel_event_loop_lag_seconds{loop="main"|"probe"}.
+Both lags are exported as servedmodel_event_loop_lag_seconds{loop="main"|"probe"}; the Leases' loop
+(a ProbeLoop too, handlers/startup.py) as {loop="leases"}.
 
 What held a loop up most often was Python's own cyclic garbage collector: a full (generation 2) collection
 stops every thread, and over the ~80,000 objects the operator's imports leave behind it took 113-260 ms

@@ -86,8 +86,9 @@ class ProbeMetrics:
         )
         self.loop_lag = Histogram(
             "servedmodel_event_loop_lag_seconds",
-            "Event-loop lag (a short sleep's overshoot): loop=main (watches, reconciles, the scheduler) "
-            "or loop=probe (the probe's own loop, watched while probes run), seconds.",
+            "Event-loop lag (a short sleep's overshoot): loop=main (watches, reconciles, the scheduler), "
+            "loop=probe (the probe's own loop, watched while probes run) or loop=leases (leader election "
+            "and probe-sharding membership), seconds.",
             ["loop"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=registry,
