@@ -55,23 +55,34 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Proc:
-    """RSS and CPU seconds of one process from /proc; with `sample`, its max RSS sampled every second."""
+    """RSS and CPU seconds of one process from /proc (MiB, though named _mb). Its peak RSS is the kernel's
+    high-water mark (VmHWM), read every second with `sample` and whenever asked: a 1 s sample of VmRSS
+    missed a 10,000-ServedModel run's peak by 41 MiB (999 sampled, 1,040 by VmHWM)."""
 
     def __init__(self, pid: int, *, sample: bool = True) -> None:
         self.pid = pid
-        self.max_rss_mb = 0.0
+        self._max_rss_mb = 0.0
         self._stop = threading.Event()
         if sample:
             threading.Thread(target=self._sample, daemon=True).start()
 
-    def rss_mb(self) -> float:
+    def _status_mib(self, field: str) -> float:
         try:
             for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
         except FileNotFoundError:
             pass
         return 0.0
+
+    def rss_mb(self) -> float:
+        return self._status_mib("VmRSS")
+
+    @property
+    def max_rss_mb(self) -> float:
+        """The peak RSS so far (VmHWM; the last one read once the process has exited)."""
+        self._max_rss_mb = max(self._max_rss_mb, self._status_mib("VmHWM"))
+        return self._max_rss_mb
 
     def cpu_s(self) -> float:
         """utime + stime."""
@@ -83,7 +94,7 @@ class Proc:
 
     def _sample(self) -> None:
         while not self._stop.wait(1.0):
-            self.max_rss_mb = max(self.max_rss_mb, self.rss_mb())
+            _ = self.max_rss_mb  # kept for after the process exits
 
     def stop(self) -> None:
         self._stop.set()

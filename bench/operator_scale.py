@@ -20,7 +20,7 @@ Method
   /metrics before and after give its own API requests, the reconciler's status writes and the probe's.
 - Delete: all N deleted at once (one deletecollection request per namespace); gone = the ServedModels
   and their Deployments no longer listed.
-- The operator's RSS (VmRSS, sampled every second; the max) and CPU seconds (utime + stime).
+- The operator's RSS (VmRSS; the max is the kernel's high-water mark, VmHWM) and CPU seconds (utime + stime).
 
     .venv/bin/python bench/operator_scale.py -n 100
     .venv/bin/python bench/operator_scale.py -n 1000 --idle 60
@@ -451,7 +451,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, floa
             f"{sm_gone or float('nan'):.1f} / {deploy_gone or float('nan'):.1f}",
         ),
         (
-            "operator RSS, MB (started / max / idle)",
+            "operator RSS, MiB (started / max by VmHWM / idle)",
             f"{rss_start:.0f} / {proc.max_rss_mb:.0f} / {rss_idle:.0f}",
         ),
         (

@@ -122,7 +122,7 @@ def scale_rows(s: dict[str, Any] | None, n: int) -> list[Row]:
             "all",
             complete,
         ),
-        (f"{n:,}: operator RSS max, MB", f"{s['rss_max_mb']:.0f}", "≤ 1,024", s["rss_max_mb"] <= 1024),
+        (f"{n:,}: operator VmHWM, MiB", f"{s['rss_max_mb']:.0f}", "≤ 1,024", s["rss_max_mb"] <= 1024),
         (
             f"{n:,}: reconciler writes in {s['idle_s']:.0f} s idle",
             f"{s['idle_reconciler_writes']:.0f}",
