@@ -167,12 +167,11 @@ class Model:
     # pod -> (its incarnation and whether adapters are declared, the verdict on its /metrics): judged once
     metrics_compat: dict[str, tuple[str, Compatibility]] = field(default_factory=dict)
     rotation: int = 0  # where the next bounded rotation over many pods starts
+    starts: dict[str, startup.StartTrack] = field(default_factory=dict)  # pod -> its start, as probed
 
     def last_patch(self) -> dict[str, Any] | None:
         """What its cycles last wrote (a fresh dict: the caller may keep parts of it in a new patch)."""
         return None if self.last_patch_json is None else json.loads(self.last_patch_json)
-
-    starts: dict[str, startup.StartTrack] = field(default_factory=dict)  # pod -> its start, as probed
 
 
 @dataclass(frozen=True)
