@@ -225,16 +225,15 @@ async def _start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.
     # ... and a thread and event loop of their own. On the main loop a renewal's every step queued behind
     # the workers' ready callbacks: at load ~26 on 2 cores the Lease requests took over 4 s and the leader
     # stepped down. Here they wait only for the GIL (0.5 ms switch interval, probe/loop.py).
-    lease_loop = memo.lease_loop = ProbeLoop(name="servedmodel-leases") if lease_client is not None else None
-    if lease_loop is not None:
-        lease_loop.start()
+    lease_loop = memo.lease_loop = None
+    if lease_client is not None:
         # Its lag, what a renewal waits before it is sent: event_loop_lag_seconds{loop="leases"}.
         from .prober import PROBE_METRICS
 
         observe = PROBE_METRICS.loop_lag.labels("leases").observe
         watch = LoopWatch(MAIN_WATCH_PERIOD_S, MAIN_WATCH_PERIOD_S, observe)
-        # Held: the loop keeps only a weak reference to a task, and one collected mid-wait stops ticking.
-        memo.leases_watch_task = await lease_loop.spawn(watch.run(), name="servedmodel-leases-loop-watch")
+        lease_loop = memo.lease_loop = ProbeLoop(name="servedmodel-leases", watch=watch)
+        lease_loop.start()
     elector = memo.elector = (
         LeaderElector(
             lease_client,
@@ -359,9 +358,6 @@ async def _stop(memo: kopf.Memo) -> None:
     lease_client, memo.lease_client = getattr(memo, "lease_client", None), None
     closers = [lease_client.aclose] if isinstance(lease_client, KubeClient) else []
     if lease_loop is not None:
-        leases_watch_task, memo.leases_watch_task = getattr(memo, "leases_watch_task", None), None
-        if isinstance(leases_watch_task, asyncio.Task):
-            await lease_loop.cancel(leases_watch_task)
         await lease_loop.stop(closers)  # the Lease client is closed on the loop that used it
         memo.lease_loop = None
     else:

@@ -283,10 +283,13 @@ class ProbeLoop:
         name: str = "servedmodel-probe",
         observe: Callable[[float], None] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_probe_loop,
+        watch: LoopWatch | None = None,
     ) -> None:
         self.name = name
         self.loop_factory = loop_factory
-        self.watch = LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S, observe, only_while_busy=True)
+        # The probes' watch ticks only while probes are in flight (`observe` gets its lag); another kind of
+        # work passes a watch of its own (the Leases': always on).
+        self.watch = watch or LoopWatch(PROBE_WATCH_PERIOD_S, PROBE_STALL_S, observe, only_while_busy=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
