@@ -68,11 +68,40 @@ def as_prometheus_client(registry: CollectorRegistry) -> ProbeMetrics:
     return metrics
 
 
+def whole_text(registry: CollectorRegistry) -> bytes:
+    """The exposition in one piece: ours joined, prometheus_client's generate_latest."""
+    if isinstance(registry, Registry):
+        return b"".join(registry.exposition_chunks())
+    return generate_latest(registry)
+
+
+def scrape_peak_mib(registry: CollectorRegistry, streamed: bool) -> float:
+    """The most one scrape holds at once (tracemalloc's peak over what the registry already holds): the
+    whole text (`whole_text`), or the pieces of Registry.exposition_chunks, each
+    let go once counted (as the operator's server sends them)."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    if streamed and isinstance(registry, Registry):
+        sent = sum(len(piece) for piece in registry.exposition_chunks())
+    else:
+        sent = len(
+            b"".join(registry.exposition_chunks())
+            if isinstance(registry, Registry)
+            else generate_latest(registry)
+        )
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    assert sent > 0
+    return peak / 2**20
+
+
 def measure(
     make: Callable[[CollectorRegistry], ProbeMetrics], n: int, ours: bool
-) -> tuple[float, float, int]:
-    """(KiB per model, scrape ms, exposition bytes) for N models: ours on the operator's Registry and its
-    exposition, theirs on prometheus_client's registry and generate_latest."""
+) -> tuple[float, float, int, float, float]:
+    """(KiB per model, scrape ms, exposition bytes, scrape peak MiB whole, streamed) for N models: ours on
+    the operator's Registry and its exposition, theirs on prometheus_client's registry and
+    generate_latest (whole only)."""
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -83,9 +112,16 @@ def measure(
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     t0 = time.perf_counter()
-    text = registry.exposition() if isinstance(registry, Registry) else generate_latest(registry)
+    text = (
+        b"".join(registry.exposition_chunks())
+        if isinstance(registry, Registry)
+        else generate_latest(registry)
+    )
     scrape_ms = (time.perf_counter() - t0) * 1000
-    return used / n / 1024, scrape_ms, len(text)
+    size = len(text)
+    del text
+    whole = scrape_peak_mib(registry, streamed=False)
+    return used / n / 1024, scrape_ms, size, whole, scrape_peak_mib(registry, streamed=ours)
 
 
 def main() -> int:
@@ -106,10 +142,23 @@ def main() -> int:
         ),
         (f"at N = {args.n:,}, MB", f"{theirs[0] * args.n / 1024:.1f}", f"{ours[0] * args.n / 1024:.1f}", ""),
         (
-            "one scrape (generate_latest / Registry.exposition), ms",
+            "one scrape (generate_latest / exposition_chunks joined), ms",
             f"{theirs[1]:.0f}",
             f"{ours[1]:.0f}",
             f"{theirs[1] / ours[1]:.1f}x",
+        ),
+        ("exposition, MB", f"{theirs[2] / 1e6:.1f}", f"{ours[2] / 1e6:.1f}", ""),
+        (
+            "one scrape's peak, whole text, MiB (tracemalloc)",
+            f"{theirs[3]:.1f}",
+            f"{ours[3]:.1f}",
+            f"{theirs[3] / ours[3]:.1f}x",
+        ),
+        (
+            "one scrape's peak as served (ours: exposition_chunks), MiB",
+            f"{theirs[4]:.1f}",
+            f"{ours[4]:.1f}",
+            f"{theirs[4] / ours[4]:.1f}x",
         ),
     ]
     header = ("figure", "prometheus_client", "prober/series.py (ours)", "ratio")

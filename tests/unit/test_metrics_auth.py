@@ -167,6 +167,7 @@ def test_the_exposition_is_served_gzipped_and_by_name_to_prometheus_clients_pars
     try:
         plain = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert "content-length" not in plain.headers  # sent piece by piece, the end is the close
         families = {f.name for f in text_string_to_metric_families(plain.text)}
         assert {"servedmodel_reconcile", "servedmodel_probe"} <= families
         zipped = httpx.get(
@@ -179,6 +180,11 @@ def test_the_exposition_is_served_gzipped_and_by_name_to_prometheus_clients_pars
         only = list(text_string_to_metric_families(zipped.text))  # httpx unzips
         assert [f.name for f in only] == ["servedmodel_probe"]
         assert any(s.labels.get("name") == "served" for s in only[0].samples)
+        whole = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10)
+        assert whole.headers["content-encoding"] == "gzip"
+        assert [f.name for f in text_string_to_metric_families(whole.text)] == [
+            f.name for f in text_string_to_metric_families(plain.text)
+        ]
         assert httpx.post(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 405
     finally:
         PROBE_METRICS.forget("ns", "served")

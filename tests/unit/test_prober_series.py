@@ -8,7 +8,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servedmodel.prober.series import LabeledCounter, LabeledGauge, LabeledHistogram, Registry
+from servedmodel.prober.series import (
+    SERIES_PER_CHUNK,
+    LabeledCounter,
+    LabeledGauge,
+    LabeledHistogram,
+    Registry,
+)
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 VALUES = (0.0, 0.005, 0.0051, 0.3, 1.0, 7.5, 60.0, 61.0, 1e6)
@@ -117,7 +123,7 @@ def filled_registry() -> tuple[Registry, Counter]:
 
 def test_the_families_own_text_is_generate_latests_byte_for_byte() -> None:
     registry, _ = filled_registry()
-    fast = registry.exposition().decode()
+    fast = b"".join(registry.exposition_chunks()).decode()
     slow = generate_latest(registry).decode()
     # the same lines; prometheus_client's collectors first (its counter's _created too), then these
     # families in their order
@@ -129,11 +135,35 @@ def test_the_families_own_text_is_generate_latests_byte_for_byte() -> None:
 
 def test_a_scrape_for_some_names_gets_only_those() -> None:
     registry, _ = filled_registry()
-    only = registry.exposition({"x_seconds_count", "x_probes_total"}).decode()
+    only = b"".join(registry.exposition_chunks({"x_seconds_count", "x_probes_total"})).decode()
     assert "# TYPE x_seconds histogram" in only
     assert "# TYPE x_probes_total counter" in only
     assert "x_serving" not in only
     assert "z_reconciles" not in only
-    rest = registry.exposition({"z_reconciles_total"}).decode()
+    rest = b"".join(registry.exposition_chunks({"z_reconciles_total"})).decode()
     assert rest.startswith("# HELP z_reconciles_total")
     assert "x_" not in rest
+
+
+def test_the_exposition_comes_in_pieces_of_a_bounded_number_of_series() -> None:
+    """At 10,000 ServedModels the text is ~165 MB: a scrape must never hold more than a piece of it. The
+    pieces join to the whole text, and none holds more than SERIES_PER_CHUNK label sets."""
+    registry = Registry()
+    h = LabeledHistogram("x_seconds", "X.", ["namespace", "name"], BUCKETS, registry)
+    c = LabeledCounter("x_probes", "P.", ["namespace", "name"], registry)
+    g = LabeledGauge("x_serving", "S.", ["namespace", "name"], registry)
+    n = 3 * SERIES_PER_CHUNK + 5
+    for i in range(n):
+        h.labels("ns", f"m{i}").observe(0.3)
+        c.labels("ns", f"m{i}").inc()
+        g.labels("ns", f"m{i}").set(1)
+    pieces = list(registry.exposition_chunks())
+    whole = b"".join(pieces).decode()
+    slow = generate_latest(registry).decode()
+    assert sorted(b for b in whole.split("# HELP ") if b) == sorted(b for b in slow.split("# HELP ") if b)
+    assert whole.count('x_seconds_bucket{le="+Inf"') == n
+    assert whole.count("x_probes_total{") == n
+    assert whole.count("x_serving{") == n
+    per_piece = [p.count(b"_count{") + p.count(b"x_probes_total{") + p.count(b"x_serving{") for p in pieces]
+    assert max(per_piece) == SERIES_PER_CHUNK
+    assert len(pieces) >= 3 * 4  # each family: its help lines, then 4 pieces of series

@@ -1,23 +1,23 @@
 """The operator's own Prometheus metrics, on one registry served at OperatorConfig.metrics_port.
 
 `REGISTRY` is the registry every operator metric goes to (the probe's metrics too): define new ones
-with `registry=REGISTRY`. Names start with `servedmodel_`. It is served in the text format (0.0.4) by
-prober/series.Registry.exposition: the per-ServedModel families write their own lines, the rest go through
-prometheus_client.
+with `registry=REGISTRY`. Names start with `servedmodel_`. It is served in the text format (0.0.4), piece
+by piece, by prober/series.Registry.exposition_chunks: the per-ServedModel families write their own lines,
+the rest go through prometheus_client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gzip
 import hashlib
 import logging
 import threading
 import time
+import zlib
 from collections import Counter as CounterType
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -330,24 +330,37 @@ class _QuietHandler(WSGIRequestHandler):
 
 def exposition_app(registry: Registry) -> Callable[..., Any]:
     """GET (or HEAD) any path: the registry in the text format, gzipped where the scraper accepts it, only
-    the families a `name[]` query names (as prometheus_client's app serves them)."""
+    the families a `name[]` query names (as prometheus_client's app serves them). The body is sent piece
+    by piece as it is written (no Content-Length: the response ends when the connection closes), so a
+    scrape holds one piece of the text at a time, not the whole of it."""
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         method = str(environ.get("REQUEST_METHOD") or "GET")
         if method not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
             return [f"# {method}: use GET\n".encode()]
         params = parse_qs(str(environ.get("QUERY_STRING") or ""))
         names = set(params["name[]"]) if "name[]" in params else None
-        output = registry.exposition(names)
         headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)]
-        if gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING") or "")):
-            output = gzip.compress(output)
+        gzipped = gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING") or ""))
+        if gzipped:
             headers.append(("Content-Encoding", "gzip"))
         start_response("200 OK", headers)
-        return [b"" if method == "HEAD" else output]
+        if method == "HEAD":
+            return [b""]
+        body = registry.exposition_chunks(names)
+        return _gzipped(body) if gzipped else body
 
     return app
+
+
+def _gzipped(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """One gzip member (what gzip.compress writes) of the chunks, compressed as they come."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # 16+: a gzip header and trailer
+    for chunk in chunks:
+        if out := z.compress(chunk):
+            yield out
+    yield z.flush()
 
 
 def metrics_app(auth: MetricsAuthorizer | None) -> Callable[..., Any]:

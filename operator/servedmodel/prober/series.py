@@ -12,7 +12,7 @@ prometheus_client child is ~0.7 KB: its object, a value with its own lock, a cou
 Each family also writes its own text exposition (`text()`: the lines prometheus_client's
 generate_latest writes for it, byte for byte), without a Sample object per line: at 1,000 ServedModels
 the generic path took ~1.5 s of CPU per scrape, holding the GIL the probe's thread times streams with.
-`exposition(registry)` serves a registry that way (handlers/metrics.py).
+`Registry.exposition_chunks` serves a registry that way, piece by piece (handlers/metrics.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import INF, floatToGoString
+
+SERIES_PER_CHUNK = 256  # label sets per piece of a streamed exposition: ~600 KB of a 15-line histogram's
 
 
 def _escape(value: str) -> str:
@@ -115,25 +117,32 @@ class LabeledHistogram(Collector):
 
     def text(self) -> str:
         """This family's lines in the text format, as generate_latest writes them from collect()."""
-        with self._lock:
-            series = [(key, counts.tolist()) for key, counts in self._series.items()]
-        name, out = self.name, [_help(self.name, self.documentation, "histogram")]
+        return "".join(self.chunks())
+
+    def chunks(self, per: int = SERIES_PER_CHUNK) -> Iterator[str]:
+        """`text()` in pieces of `per` label sets each, the help lines first."""
+        with self._lock:  # a copy of each array: 8 bytes a bucket, the lock held for the copy only
+            series = [(key, counts[:]) for key, counts in self._series.items()]
+        name = self.name
+        yield _help(name, self.documentation, "histogram")
         # `le` sorts among the label names: the labels before it and after it, joined once per series.
         ordered = sorted((*self.labelnames, "le"))
         cut = ordered.index("le")
         les = [f'le="{le}"' for le in self._le]
-        for key, counts in series:
-            pairs = sorted(zip(self.labelnames, key, strict=True))
-            before = "".join(f'{k}="{_escape(v)}",' for k, v in pairs[:cut])
-            after = "".join(f',{k}="{_escape(v)}"' for k, v in pairs[cut:])
-            running = 0.0
-            for le, n in zip(les, counts, strict=False):  # counts ends with the sum
-                running += n
-                out.append(f"{name}_bucket{{{before}{le}{after}}} {_go(running)}\n")
-            plain = _labels(self.labelnames, key)
-            out.append(f"{name}_count{{{plain}}} {_go(running)}\n")
-            out.append(f"{name}_sum{{{plain}}} {_go(counts[-1])}\n")
-        return "".join(out)
+        for start in range(0, len(series), per):
+            out: list[str] = []
+            for key, counts in series[start : start + per]:
+                pairs = sorted(zip(self.labelnames, key, strict=True))
+                before = "".join(f'{k}="{_escape(v)}",' for k, v in pairs[:cut])
+                after = "".join(f',{k}="{_escape(v)}"' for k, v in pairs[cut:])
+                running = 0.0
+                for le, n in zip(les, counts, strict=False):  # counts ends with the sum
+                    running += n
+                    out.append(f"{name}_bucket{{{before}{le}{after}}} {_go(running)}\n")
+                plain = _labels(self.labelnames, key)
+                out.append(f"{name}_count{{{plain}}} {_go(running)}\n")
+                out.append(f"{name}_sum{{{plain}}} {_go(counts[-1])}\n")
+            yield "".join(out)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -170,6 +179,8 @@ class GaugeValue(Value):
 class _LabeledValues(Collector):
     """One float per label set under one lock; `remove(*labels)` and `remove_matching(prefix)`."""
 
+    _suffix, _kind = "", "untyped"  # the exposed sample's name after the family's, its TYPE
+
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
     ) -> None:
@@ -205,15 +216,24 @@ class _LabeledValues(Collector):
         with self._lock:
             return list(self._values.items())
 
-    def _text(self, sample: str, kind: str) -> str:
-        out = [_help(sample, self.documentation, kind)]
-        for key, value in self._snapshot():
-            out.append(f"{sample}{{{_labels(self.labelnames, key)}}} {_go(value)}\n")
-        return "".join(out)
+    def text(self) -> str:
+        """This family's lines in the text format, as generate_latest writes them from collect()."""
+        return "".join(self.chunks())
+
+    def chunks(self, per: int = SERIES_PER_CHUNK) -> Iterator[str]:
+        """`text()` in pieces of `per` label sets each, the help lines first."""
+        series, sample, labels = self._snapshot(), self.name + self._suffix, self.labelnames
+        yield _help(sample, self.documentation, self._kind)
+        for start in range(0, len(series), per):
+            yield "".join(
+                f"{sample}{{{_labels(labels, k)}}} {_go(v)}\n" for k, v in series[start : start + per]
+            )
 
 
 class LabeledCounter(_LabeledValues):
     """A counter family: `labels(*values).inc(n)` as prometheus_client's, exposed as `<name>_total`."""
+
+    _suffix, _kind = "_total", "counter"
 
     def labels(self, *values: str) -> Value:
         return Value(self, self._key(values))
@@ -226,9 +246,6 @@ class LabeledCounter(_LabeledValues):
     def describe(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def text(self) -> str:
-        return self._text(f"{self.name}_total", "counter")
-
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for key, value in self._snapshot():
@@ -239,14 +256,13 @@ class LabeledCounter(_LabeledValues):
 class LabeledGauge(_LabeledValues):
     """A gauge family: `labels(*values).set(v)` / `.inc(n)` as prometheus_client's."""
 
+    _kind = "gauge"
+
     def labels(self, *values: str) -> GaugeValue:
         return GaugeValue(self, self._key(values))
 
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def text(self) -> str:
-        return self._text(self.name, "gauge")
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -270,7 +286,7 @@ class _Others:
 
 
 class Registry(CollectorRegistry):
-    """A CollectorRegistry that knows its collectors in order, so `exposition` can write this module's
+    """A CollectorRegistry that knows its collectors in order, so `exposition_chunks` can write this module's
     families through their own text() and the rest through prometheus_client's generate_latest."""
 
     def __init__(self) -> None:
@@ -285,9 +301,11 @@ class Registry(CollectorRegistry):
         super().unregister(collector)
         self._ordered.remove(collector)
 
-    def exposition(self, names: set[str] | None = None) -> bytes:
+    def exposition_chunks(self, names: set[str] | None = None) -> Iterator[bytes]:
         """The text format (0.0.4) of every collector (of the families in `names`: a scrape's name[]),
-        prometheus_client's collectors first."""
+        prometheus_client's collectors first, in pieces for a server to send as they come: at 10,000
+        ServedModels the whole text is ~165 MB, and built in one piece it was held two and three times over
+        (the families' strings, their join, its encoding) at each scrape, the operator's peak memory."""
         collectors = list(self._ordered)
         fast = [c for c in collectors if isinstance(c, FastFamily)]
         others: Collector = _Others([c for c in collectors if not isinstance(c, FastFamily)])
@@ -295,8 +313,10 @@ class Registry(CollectorRegistry):
             rest = [n for n in names if not any(_owns(f, n) for f in fast)]
             others = self.restricted_registry(rest) if rest else _Others([])
             fast = [f for f in fast if any(_owns(f, n) for n in names)]
-        head = generate_latest(others)
-        return head + "".join(f.text() for f in fast).encode()
+        yield generate_latest(others)
+        for family in fast:
+            for chunk in family.chunks():
+                yield chunk.encode()
 
 
 def _owns(family: FastFamily, sample_name: str) -> bool:
