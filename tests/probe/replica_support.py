@@ -4,6 +4,7 @@ reads from and writes to Kubernetes, fake engine pods, a managed ServedModel, a 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable
 from typing import Any
@@ -110,7 +111,8 @@ class Cluster:
         _next_version(obj)
         return obj
 
-    async def apply_status_unread(self, *args: Any, **kwargs: Any) -> None:
+    async def apply_status_unread(self, *args: Any, encoded: bytes | None = None, **kwargs: Any) -> None:
+        assert encoded is None or json.loads(encoded) == args[4]  # the status, as the client would send it
         await self.apply_status(*args, **kwargs)
 
     async def create_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -339,8 +340,9 @@ class StatusWrites(Cluster):
         self.ways.append("through")
         return await Cluster.apply_status(self, *args, **kwargs)
 
-    async def apply_status_unread(self, *args: Any, **kwargs: Any) -> None:
+    async def apply_status_unread(self, *args: Any, encoded: bytes | None = None, **kwargs: Any) -> None:
         self.ways.append("unread")
+        assert encoded is None or json.loads(encoded) == args[4]  # the status, as the client would send it
         await Cluster.apply_status(self, *args, **kwargs)
 
 

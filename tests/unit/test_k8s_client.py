@@ -671,3 +671,32 @@ async def test_list_at_keeps_what_each_item_becomes_page_by_page(
         items, _ = await client.list_at("apps/v1", "deployments", "a", each=each)
     assert seen == ["x after 1 pages", "y after 2 pages"]
     assert [i["metadata"] for i in items] == [{"name": "x"}, {"name": "y"}]
+
+
+async def test_apply_status_unread_sends_a_status_held_as_json_as_it_is(
+    api: FakeApiServer, client_for: Callable[..., KubeClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe holds its last patch as JSON: given `encoded`, the body is that JSON in the apply's
+    identity, the same apply as from the dict, and the status is not encoded again."""
+    path = "/apis/inference.servedmodel.io/v1alpha1/namespaces/ns1/servedmodels/m1/status"
+    ready = (200, {"status": {"phase": "Ready"}})
+    api.on("PATCH", path, ready, ready)
+    status = {"probe": {"result": "Success", "message": "ünïcode"}, "conditions": [{"type": "Serving"}]}
+    encoded: list[Any] = []
+
+    def dumps(obj: Any, **kwargs: Any) -> str:
+        encoded.append(obj)
+        return json.dumps(obj, **kwargs)
+
+    monkeypatch.setattr(k8s_client, "json", SimpleNamespace(loads=json.loads, dumps=dumps))
+    gv = "inference.servedmodel.io/v1alpha1"
+    held = json.dumps(status, separators=(",", ":"), ensure_ascii=False).encode()
+    async with client_for() as client:
+        await client.apply_status_unread(
+            gv, "servedmodels", "ns1", "m1", {}, "servedmodel-probe", encoded=held
+        )
+        assert not [o for o in encoded if "status" in o]  # only the identity was encoded
+        await client.apply_status_unread(gv, "servedmodels", "ns1", "m1", status, "servedmodel-probe")
+    assert api.seen[0].body == api.seen[1].body
+    assert api.seen[0].body["status"] == status
+    assert api.seen[0].headers["Content-Type"] == "application/apply-patch+yaml"

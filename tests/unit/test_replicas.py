@@ -667,3 +667,29 @@ def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided(
     assert again.gates == {}
     assert again.patch["rollout"] == rollout
     assert "RolloutBlocked" in [c["type"] for c in again.patch["conditions"]]
+
+
+def test_compose_continues_from_the_status_the_cycle_parsed_without_parsing_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cycle parses status.probe once (previous_probe_status) and hands it to compose in
+    Cycle.previous: the same patch as compose parsing it itself, and no second parse."""
+    probed = results()
+    by_name = {r.name: pod(r.name) for r in probed}
+    spec = ServedModel.model_validate(
+        {"metadata": {"name": "q", "namespace": "ns"}, "spec": {"model": "Qwen/Qwen2.5-7B-Instruct"}}
+    ).spec
+    out = replicas.aggregate(probed)
+    pods = compose.Pods(probed, [r.name for r in probed], 3, by_name)
+    first = compose.compose(compose.Cycle(out, spec, {}, 2, T0, pods=pods))
+    status = {"probe": first.status.model_dump(by_alias=True, exclude_none=True, mode="json")}
+    parsed = compose.previous_probe_status(status, None)
+    assert parsed is not None
+    assert parsed.consecutive_failures == 0
+    itself = compose.compose(compose.Cycle(out, spec, status, 2, T0, pods=pods))
+    parses: list[Any] = []
+    real = compose._parsed_probe
+    monkeypatch.setattr(compose, "_parsed_probe", lambda p: parses.append(p) or real(p))
+    handed = compose.compose(compose.Cycle(out, spec, status, 2, T0, pods=pods, previous=parsed))
+    assert parses == []
+    assert handed.patch == itself.patch

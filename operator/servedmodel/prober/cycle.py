@@ -374,7 +374,7 @@ class CycleRunner:
             stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
             conds = status.get("conditions")
             compatible = compat_condition(verdicts, plan.eligible, conds, generation, stamp)
-        cycle = Cycle(out, spec, status, generation, now, last, pods, share)
+        cycle = Cycle(out, spec, status, generation, now, last, pods, share, previous=previous)
         composed = compose(dataclasses.replace(cycle, metrics_compatible=compatible, startups=started))
         for start in composed.started:
             self.metrics.record_start(namespace, name, start)
@@ -436,10 +436,17 @@ class CycleRunner:
         if model.removed:
             return False  # forgotten (deleted) while the probe ran: write nothing
         unread = not through and self.cache is not None and self.cache.tracks(SERVED_MODEL_KIND)
+        encoded = encode_patch(patch) if encoded is None else encoded
         try:
             if unread:
                 await self.kube.apply_status_unread(
-                    API_GROUP_VERSION, PLURAL, namespace, name, patch, self.config.probe_field_manager
+                    API_GROUP_VERSION,
+                    PLURAL,
+                    namespace,
+                    name,
+                    patch,
+                    self.config.probe_field_manager,
+                    encoded=encoded,  # the JSON it holds as its last patch: the body's, not encoded again
                 )
                 written = None
             else:
@@ -452,7 +459,7 @@ class CycleRunner:
         except ApiError as exc:
             log.warning("probe status write of %s/%s failed: %s %s", namespace, name, exc.status, exc.reason)
             return False
-        model.last_patch_json = encode_patch(patch) if encoded is None else encoded
+        model.last_patch_json = encoded
         if isinstance(written, dict) and written.get("metadata"):
             # Into the cache, whose copy the next cycle reads; the Model keeps it only without a cache
             # (_body). A copy kept here outlived the cache's next event of this ServedModel: a second
