@@ -624,11 +624,8 @@ def test_a_probe_prompt_the_engine_cannot_take_holds_a_closed_gate_and_leaves_an
     assert entry.consecutive_failures == 5
 
 
-def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided() -> None:
-    """One managed cycle through probe/compose: Serving True ReplicasFailing naming the failing pod (no
-    second author rewrites it), every probe condition present (server-side apply would delete one left
-    out), the failing pod's gate closed and the serving ones opened, status.rollout from the pods as
-    those gates leave them, and a cycle without gate or revisions keeping status.rollout as it was."""
+def managed_cycle() -> tuple[Any, Any, compose.Pods]:
+    """(spec, outcome, pods) of one managed cycle over results(): three pods of revision a1, one failing."""
     probed = results()
     by_name = {}
     for r in probed:
@@ -638,8 +635,15 @@ def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided(
     spec = ServedModel.model_validate(
         {"metadata": {"name": "q", "namespace": "ns"}, "spec": {"model": "Qwen/Qwen2.5-7B-Instruct"}}
     ).spec
-    out = replicas.aggregate(probed)
-    pods = compose.Pods(probed, [r.name for r in probed], 3, by_name)
+    return spec, replicas.aggregate(probed), compose.Pods(probed, [r.name for r in probed], 3, by_name)
+
+
+def test_compose_writes_every_condition_the_probe_owns_and_the_gates_it_decided() -> None:
+    """One managed cycle through probe/compose: Serving True ReplicasFailing naming the failing pod (no
+    second author rewrites it), every probe condition present (server-side apply would delete one left
+    out), the failing pod's gate closed and the serving ones opened, status.rollout from the pods as
+    those gates leave them, and a cycle without gate or revisions keeping status.rollout as it was."""
+    spec, out, pods = managed_cycle()
     done = compose.compose(compose.Cycle(out, spec, {}, 2, T0, pods=pods))
     types = [c["type"] for c in done.patch["conditions"]]
     # no SLO and no adapters in the spec; MetricsCompatible is the prober's to hand over (none here)
@@ -674,13 +678,7 @@ def test_compose_continues_from_the_status_the_cycle_parsed_without_parsing_it_a
 ) -> None:
     """The cycle parses status.probe once (previous_probe_status) and hands it to compose in
     Cycle.previous: the same patch as compose parsing it itself, and no second parse."""
-    probed = results()
-    by_name = {r.name: pod(r.name) for r in probed}
-    spec = ServedModel.model_validate(
-        {"metadata": {"name": "q", "namespace": "ns"}, "spec": {"model": "Qwen/Qwen2.5-7B-Instruct"}}
-    ).spec
-    out = replicas.aggregate(probed)
-    pods = compose.Pods(probed, [r.name for r in probed], 3, by_name)
+    spec, out, pods = managed_cycle()
     first = compose.compose(compose.Cycle(out, spec, {}, 2, T0, pods=pods))
     status = {"probe": first.status.model_dump(by_alias=True, exclude_none=True, mode="json")}
     parsed = compose.previous_probe_status(status, None)
