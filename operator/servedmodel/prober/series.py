@@ -9,9 +9,10 @@ sum) under one lock per histogram, and the exposition is built when Prometheus s
 Counters and gauges the same way: one float per label set in a dict under the family's lock (a
 prometheus_client child is ~0.7 KB: its object, a value with its own lock, a counter's created time).
 
-Each family also writes its own text exposition (`text()`: the lines prometheus_client's
-generate_latest writes for it, byte for byte), without a Sample object per line: at 1,000 ServedModels
-the generic path took ~1.5 s of CPU per scrape, holding the GIL the probe's thread times streams with.
+Each family also writes its own text exposition (`chunks()`: the lines prometheus_client's
+generate_latest writes for it, byte for byte, in pieces), without a Sample object per line: at 1,000
+ServedModels the generic path took ~1.5 s of CPU per scrape, holding the GIL the probe's thread times
+streams with.
 `Registry.exposition_chunks` serves a registry that way, piece by piece (handlers/metrics.py).
 """
 
@@ -115,12 +116,9 @@ class LabeledHistogram(Collector):
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def text(self) -> str:
-        """This family's lines in the text format, as generate_latest writes them from collect()."""
-        return "".join(self.chunks())
-
     def chunks(self, per: int = SERIES_PER_CHUNK) -> Iterator[str]:
-        """`text()` in pieces of `per` label sets each, the help lines first."""
+        """This family's lines in the text format, as generate_latest writes them from collect(), in
+        pieces of `per` label sets each, the help lines first."""
         with self._lock:  # a copy of each array: 8 bytes a bucket, the lock held for the copy only
             series = [(key, counts[:]) for key, counts in self._series.items()]
         name = self.name
@@ -216,12 +214,9 @@ class _LabeledValues(Collector):
         with self._lock:
             return list(self._values.items())
 
-    def text(self) -> str:
-        """This family's lines in the text format, as generate_latest writes them from collect()."""
-        return "".join(self.chunks())
-
     def chunks(self, per: int = SERIES_PER_CHUNK) -> Iterator[str]:
-        """`text()` in pieces of `per` label sets each, the help lines first."""
+        """This family's lines in the text format, as generate_latest writes them from collect(), in
+        pieces of `per` label sets each, the help lines first."""
         series, sample, labels = self._snapshot(), self.name + self._suffix, self.labelnames
         yield _help(sample, self.documentation, self._kind)
         for start in range(0, len(series), per):
