@@ -77,19 +77,15 @@ def whole_text(registry: CollectorRegistry) -> bytes:
 
 def scrape_peak_mib(registry: CollectorRegistry, streamed: bool) -> float:
     """The most one scrape holds at once (tracemalloc's peak over what the registry already holds): the
-    whole text (`whole_text`), or the pieces of Registry.exposition_chunks, each
-    let go once counted (as the operator's server sends them)."""
+    whole text (`whole_text`), or the pieces of Registry.exposition_chunks, each let go once counted (as
+    the operator's server sends them)."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     if streamed and isinstance(registry, Registry):
         sent = sum(len(piece) for piece in registry.exposition_chunks())
     else:
-        sent = len(
-            b"".join(registry.exposition_chunks())
-            if isinstance(registry, Registry)
-            else generate_latest(registry)
-        )
+        sent = len(whole_text(registry))
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
     assert sent > 0
@@ -112,11 +108,7 @@ def measure(
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     t0 = time.perf_counter()
-    text = (
-        b"".join(registry.exposition_chunks())
-        if isinstance(registry, Registry)
-        else generate_latest(registry)
-    )
+    text = whole_text(registry)
     scrape_ms = (time.perf_counter() - t0) * 1000
     size = len(text)
     del text
